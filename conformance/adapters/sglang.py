@@ -1,0 +1,361 @@
+"""SGLang's real EAGLE-3 draft (`LlamaForCausalLMEagle3`) run in-process on CPU, stage by stage.
+
+Step 0 is SGLang's draft EXTEND over every packed sequence; steps >= 1 are SGLang's draft DECODE
+passes on each sequence's last token, as in serving. Stages are observed with forward hooks on
+SGLang's own modules and mapped to the canonical layout (running-real-implementations.md).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
+
+import torch
+
+from conformance import stages
+from conformance.adapters.base import Trace
+from reference.eagle3 import DraftBatch, Eagle3Config
+
+ATTENTION_BACKEND = "torch_native"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def cpu_runtime_adjustments() -> dict[str, tuple[object, object]]:
+    """The one runtime adjustment SGLang needs on a plain CPU host; returns {what: (before, after)}.
+
+    `RotaryEmbedding.__init__` treats an unknown platform as "not CUDA, not CPU" and imports
+    `vllm._custom_ops` for a fallback kernel. SGLang's official switch (`SGLANG_USE_CPU_ENGINE=1`)
+    would set this module's `_is_cpu` flag, but it also makes the KV-cache module import the CPU
+    build of sgl-kernel, which is not installable. Setting only the flag (what the switch would set
+    for this module) makes the rotary embedding dispatch to SGLang's own `forward_native`.
+    """
+    from sglang.srt.layers.rotary_embedding import base as rope_base
+
+    before = rope_base._is_cpu
+    rope_base._is_cpu = True
+    return {"sglang.srt.layers.rotary_embedding.base._is_cpu": (before, rope_base._is_cpu)}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_RUNTIME: dict | None = None
+
+
+def ensure_runtime() -> dict:
+    """Set up SGLang's per-process runtime once (gloo world of 1, published ServerArgs, model parallel).
+
+    Idempotent: pytest loads many checkpoints in one process, and SGLang's parallel state is global.
+    Returns a description of what was set up (the CPU adjustments included).
+    """
+    global _RUNTIME
+    if _RUNTIME is not None:
+        return _RUNTIME
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    adjustments = cpu_runtime_adjustments()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # A free port per process, so pytest-xdist workers (or parallel runs) never collide.
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not torch.distributed.is_initialized():
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    if not model_parallel_is_initialized():
+        reset_context()
+        # model_path "dummy" is SGLang's own "no model" value: server-argument resolution then
+        # skips reading a model config (the draft's config is read per checkpoint in load()).
+        publish(
+            ServerArgs(model_path="dummy", device="cpu", attention_backend=ATTENTION_BACKEND,
+                       tp_size=1, ep_size=1, pp_size=1),
+            role="scheduler",
+            ranks=SpawnRanks(world_rank=0),
+        )
+        # reset_context() drops the WORLD handle init_distributed_environment registered.
+        get_parallel().override_permanently(world_group=parallel_state._WORLD)
+        initialize_model_parallel(backend="gloo")
+    _RUNTIME = {"adjustments": adjustments, "master_port": os.environ["MASTER_PORT"]}
+    return _RUNTIME
+
+
+class SGLangAdapter:
+    name: ClassVar[str] = "sglang"
+    checkpoint_format: ClassVar[str] = "sglang"
+    claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST)
+
+    def unsupported(self, cfg: Eagle3Config) -> str | None:
+        # Knobs SGLang ignores (norm_before_residual, q/k/v bias, ...) are divergences for the
+        # suite to catch, not reasons to skip.
+        if cfg.hidden_act != "silu":
+            return f"SGLang's draft MLP (LlamaMLP) only supports silu, not {cfg.hidden_act!r}"
+        return None
+
+    def load(self, ckpt_dir: Path, dtype: torch.dtype) -> "LoadedSGLang":
+        runtime = ensure_runtime()
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
+        from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+        from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+        from sglang.srt.utils.hf_transformers.config import get_config
+
+        # SGLang's config path, minus its per-process cache (keyed by path only: a directory
+        # rewritten between tests would return a stale config); the model also writes into it.
+        config = get_config.__wrapped__(str(ckpt_dir), trust_remote_code=False)
+        with set_default_torch_dtype(dtype):
+            model = LlamaForCausalLMEagle3(config).eval()
+        model.load_weights(safetensors_weights_iterator([str(Path(ckpt_dir) / WEIGHTS_FILE)]))
+        return LoadedSGLang(model, dtype, runtime)
+
+
+class _Recorder:
+    """Forward hooks on SGLang's modules (observation only); every tensor cloned at call time.
+
+    Some modules are shared between layers (get_rope caches one RotaryEmbedding per shape), so a
+    pre-hook on each decoder layer says which layer is running and calls are keyed by it.
+    """
+
+    def __init__(self, model):
+        self.seen: dict[str, object] = {}
+        self.layer: int | None = None
+        inner = model.model
+        self.handles = []
+
+        def enter(i):
+            def pre_hook(module, args):
+                self.layer = i
+            return pre_hook
+
+        def leave(module, args, output):
+            self.layer = None
+
+        def keep(name, pick):
+            def hook(module, args, output):
+                key = name if self.layer is None else f"{self.layer}.{name}"
+                self.seen.setdefault(key, _clone(pick(args, output)))
+            return hook
+
+        def out(a, o):
+            return o
+
+        def arg0(a, o):
+            return a[0]
+
+        targets = [(inner.embed_tokens, "embed_tokens", out), (inner.fc, "fc", out), (inner.norm, "norm", out)]
+        if inner.input_norm is not None:
+            targets.append((inner.input_norm, "input_norm", out))
+        for j, norm in enumerate(inner.fc_norm or []):
+            targets.append((norm, f"fc_norm.{j}", out))
+        for i, layer in enumerate(inner.layers):
+            self.handles += [layer.register_forward_pre_hook(enter(i)), layer.register_forward_hook(leave)]
+            attn = layer.self_attn
+            targets += [
+                (layer.hidden_norm, "hidden_norm", out),
+                (layer.hidden_norm, "hidden_norm_in", arg0),
+                (layer.input_layernorm, "input_layernorm", out),
+                (attn.qkv_proj, "qkv_in", arg0),
+                (attn.qkv_proj, "qkv", out),
+                (attn.rotary_emb, "rotary", out),
+                (attn.attn, "attn", out),
+                (attn.o_proj, "o_proj", out),
+                (layer.post_attention_layernorm, "post_attention_layernorm", out),
+                (layer.mlp, "mlp", out),
+            ]
+        hooked: set[tuple[int, str]] = set()
+        for module, name, pick in targets:
+            if (id(module), name) not in hooked:   # a shared module is hooked once per name
+                hooked.add((id(module), name))
+                self.handles.append(module.register_forward_hook(keep(name, pick)))
+
+    def take(self) -> dict[str, object]:
+        seen, self.seen, self.layer = self.seen, {}, None
+        return seen
+
+
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_clone(v) for v in x)
+    return x
+
+
+class LoadedSGLang:
+    def __init__(self, model, dtype: torch.dtype, runtime: dict):
+        self.model = model
+        self.dtype = dtype
+        self.runtime = runtime
+        self.recorder = _Recorder(model)
+        attn0 = model.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.hot_token_id = model.get_hot_token_id()
+
+    # ------------------------------------------------------------ SGLang runtime objects
+
+    def _pools(self, lengths: list[int], steps: int):
+        """Request and KV pools: request r in row r + 1, its tokens in contiguous slots (row/slot 0 pad)."""
+        from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+        per_req = [n + steps - 1 for n in lengths]
+        req_to_token_pool = ReqToTokenPool(size=len(lengths), max_context_len=max(per_req),
+                                           device="cpu", enable_memory_saver=False)
+        kv_pool = MHATokenToKVPool(size=sum(per_req) + 1, page_size=1, dtype=self.dtype,
+                                   head_num=self.num_kv_heads, head_dim=self.head_dim,
+                                   layer_num=len(self.model.model.layers), device="cpu",
+                                   enable_memory_saver=False, enable_alt_stream=False)
+        slots, base = [], 1
+        for r, n in enumerate(per_req):
+            s = torch.arange(base, base + n, dtype=torch.int32)
+            req_to_token_pool.req_to_token[r + 1, :n] = s
+            slots.append(s.long())
+            base += n
+        # The attention backend reads only these three fields of a ModelRunner.
+        runner = SimpleNamespace(device="cpu", req_to_token_pool=req_to_token_pool, token_to_kv_pool=kv_pool)
+        return ATTENTION_BACKENDS[ATTENTION_BACKEND](runner), slots
+
+    def _forward(self, backend, fb):
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        self.recorder.take()
+        with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend), forward_batch=fb):
+            backend.init_forward_metadata(fb)
+            out = self.model.forward(fb.input_ids, fb.positions, fb)
+        return out, self.recorder.take()
+
+    # ------------------------------------------------------------ one pass -> canonical stages
+
+    def _stages(self, seen: dict, spec_hidden: torch.Tensor, input_ids: torch.Tensor, out, aux_in: bool) -> dict:
+        T, nh, nkv, hd = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        # Every hooked module SGLang always calls must have been seen (hooks fire on __call__).
+        required = ["embed_tokens", "norm"] + [
+            f"{i}.{k}" for i in range(len(self.model.model.layers))
+            for k in ("hidden_norm", "qkv", "rotary", "attn", "o_proj", "post_attention_layernorm", "mlp")]
+        missing = [k for k in required if k not in seen]
+        if missing:
+            raise RuntimeError(f"forward hooks did not fire for {missing}")
+        s: dict[str, torch.Tensor] = {}
+        if aux_in:
+            s["aux_in"] = spec_hidden.clone()
+        if "fc" in seen:  # SGLang runs fc only when the spec hidden is not hidden_size wide
+            chunks = [seen[k] for k in sorted(k for k in seen if k.startswith("fc_norm."))]
+            if chunks:
+                s["fc_in_norm"] = torch.cat(chunks, dim=-1)
+            elif "input_norm" in seen:
+                s["fc_in_norm"] = seen["input_norm"]
+            s["fc_out"] = seen["fc"]
+        s["input_ids"] = input_ids.clone()
+        s["embeds"] = seen["embed_tokens"]
+        for i in range(len(self.model.model.layers)):
+            p = f"layers.{i}."
+            if i == 0:
+                s[p + "embeds_norm"] = seen["0.input_layernorm"]
+                s[p + "hidden_norm"] = seen["0.hidden_norm"]
+                s[p + "residual"] = seen["0.hidden_norm_in"]       # raw hidden: what attention is added to
+            else:
+                s[p + "hidden_norm"], s[p + "residual"] = seen[f"{i}.hidden_norm"]  # fused (normed, sum)
+            s[p + "attn_in"] = seen[f"{i}.qkv_in"]
+            q, k, v = seen[f"{i}.qkv"][0].split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            s[p + "q"], s[p + "k"], s[p + "v"] = q.reshape(T, nh, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
+            q_rot, k_rot = seen[f"{i}.rotary"]
+            s[p + "q_rot"], s[p + "k_rot"] = q_rot.reshape(T, nh, hd), k_rot.reshape(T, nkv, hd)
+            s[p + "attn_core"] = seen[f"{i}.attn"].reshape(T, nh * hd)
+            s[p + "attn_out"] = seen[f"{i}.o_proj"][0]
+            s[p + "post_attn_norm"], s[p + "post_attn"] = seen[f"{i}.post_attention_layernorm"]
+            s[p + "mlp_out"] = seen[f"{i}.mlp"]
+            # SGLang carries (mlp_out, residual) unsummed into the next norm; their sum is the layer output.
+            s[p + "layer_out"] = s[p + "mlp_out"] + s[p + "post_attn"]
+        s["final_norm"] = seen["norm"][0]
+        s["recurrent_hidden"] = out.hidden_states.clone()
+        s["logits"] = out.next_token_logits.clone()
+        return s
+
+    def _target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        # SGLang maps draft-vocab ids through hot_token_id (d2t + arange), as the EAGLE worker does.
+        return draft_ids if self.hot_token_id is None else self.hot_token_id[draft_ids]
+
+    # ------------------------------------------------------------ the draft
+
+    def run(self, batch: DraftBatch, steps: int = 1) -> Trace:
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+        from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleDraftInput
+        from sglang.srt.speculative.spec_utils import renorm_draft_probs
+        from sglang.srt.utils.common import fast_topk
+
+        seq_ids = batch.seq_ids.tolist()
+        lengths = [seq_ids.count(s) for s in dict.fromkeys(seq_ids)]
+        if seq_ids != [s for s, n in zip(dict.fromkeys(seq_ids), lengths) for _ in range(n)]:
+            raise ValueError("sequences must be contiguous in the packed batch")
+        B, T = len(lengths), sum(lengths)
+        last = torch.tensor(lengths).cumsum(0) - 1                            # packed row of each last token
+        backend, slots = self._pools(lengths, steps)
+        req_pool_indices = torch.arange(1, B + 1, dtype=torch.int64)
+
+        # Step 0: SGLang's draft EXTEND, each sequence one request with no cached prefix.
+        aux = batch.aux.to(self.dtype)
+        input_ids = batch.input_ids.long()
+        seq_lens = torch.tensor(lengths, dtype=torch.int64)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=B, input_ids=input_ids,
+            req_pool_indices=req_pool_indices, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
+            out_cache_loc=torch.cat([sl[:n] for sl, n in zip(slots, lengths)]), seq_lens_sum=T,
+            positions=batch.positions.long(),
+            extend_num_tokens=T,
+            extend_seq_lens=torch.tensor(lengths, dtype=torch.int32),
+            extend_prefix_lens=torch.zeros(B, dtype=torch.int32),
+            extend_start_loc=(last + 1 - torch.tensor(lengths)).to(torch.int32),
+            extend_seq_lens_cpu=list(lengths), extend_prefix_lens_cpu=[0] * B,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            spec_info=EagleDraftExtendInput(hidden_states=aux, num_tokens_per_req=1,
+                                            num_tokens_for_logprob_per_req=1),
+        )
+        out, seen = self._forward(backend, fb)
+        fc_ran = "fc" in seen
+        st = self._stages(seen, aux, input_ids, out, aux_in=True)
+        # As the worker after a draft extend: top-1 of the softmax of the last tokens' logits.
+        _, draft_ids = fast_topk(renorm_draft_probs(out.next_token_logits, None, False), 1, dim=-1)
+        st["draft_ids"] = draft_ids.flatten().clone()
+        st["target_ids"] = self._target_ids(st["draft_ids"])
+        trace_steps = [st]
+        trace_rows = [{"logits": last, "draft_ids": last, "target_ids": last}]
+
+        # Steps >= 1: SGLang's draft DECODE, one query per request (its last token).
+        hidden = out.hidden_states[last]
+        prev_target = st["target_ids"]
+        last_pos = batch.positions[last].long()
+        for k in range(1, steps):
+            ids = batch.next_ids[last, k - 1].long() if batch.next_ids is not None else prev_target
+            seq_lens = torch.tensor(lengths, dtype=torch.int64) + k
+            fb = ForwardBatch(
+                forward_mode=ForwardMode.DECODE, batch_size=B, input_ids=ids,
+                req_pool_indices=req_pool_indices, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
+                out_cache_loc=torch.stack([sl[n + k - 1] for sl, n in zip(slots, lengths)]),
+                seq_lens_sum=int(seq_lens.sum()), positions=last_pos + k,
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+                spec_info=EagleDraftInput(hidden_states=hidden, num_tokens_per_req=1,
+                                          num_tokens_for_logprob_per_req=1),
+            )
+            out, seen = self._forward(backend, fb)
+            st = self._stages(seen, hidden, ids, out, aux_in=False)
+            # The worker's topk == 1 draft step on a CPU host: argmax of the logits.
+            st["draft_ids"] = torch.argmax(out.next_token_logits, dim=-1).clone()
+            st["target_ids"] = self._target_ids(st["draft_ids"])
+            trace_steps.append(st)
+            trace_rows.append({name: last for name in st})
+            hidden, prev_target = out.hidden_states, st["target_ids"]
+
+        notes = [
+            f"attention backend {ATTENTION_BACKEND}",
+            f"fc ran at step 0: {'yes' if fc_ran else 'no (aux width equals hidden_size)'}",
+            "runtime adjustments: " + ", ".join(f"{k} {a}->{b}" for k, (a, b) in self.runtime["adjustments"].items()),
+            f"step 0: EXTEND of {B} requests; steps >= 1: DECODE on each request's last token",
+        ]
+        return Trace(impl="sglang", dtype=self.dtype, steps=trace_steps, rows=trace_rows, notes=notes)

@@ -1,0 +1,158 @@
+"""Self-tests of the harness: planted divergences are caught at the right stage with a full message,
+adapters honour their Protocol and claims, tolerances and cases are well formed, the registry is live.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conformance import stages
+from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
+from conformance.compare import compare_traces
+from conformance.harness import DTYPES
+from conformance.known_divergences import KNOWN_DIVERGENCES, LOAD
+from conformance.tolerances import TOLERANCES, tol_for
+from fixtures.cases import ALL_CASES, CASES_BY_ID, STEP0_CASES
+from fixtures.checkpoint import WEIGHTS_FILE, sha256
+from reference.eagle3 import Eagle3Reference
+
+pytestmark = [pytest.mark.cpu, pytest.mark.meta]
+GQA = CASES_BY_ID["gqa"]
+
+
+def planted_checkpoint(drafts, case, fmt, tmp_path, edit) -> "Path":
+    """A copy of the case's checkpoint in `fmt` with `edit(weights)` applied; the original is untouched."""
+    src = drafts.checkpoint(case)[fmt]
+    dst = tmp_path / fmt
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / WEIGHTS_FILE))
+    edit(weights)
+    save_file(weights, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
+    return dst
+
+
+def compare_planted(drafts, impl, case, ckpt_dir, batch=None):
+    dtype = torch.float32
+    actual = ADAPTERS[impl]().load(ckpt_dir, dtype).run(batch or drafts.batch(case))
+    expected = drafts.trace("reference", case, dtype)
+    return compare_traces(actual, expected, ADAPTERS[impl].claimed_stages, case.config.num_hidden_layers, case.id)
+
+
+def assert_names_stage(comparison, stage: str, step: int = 0):
+    __tracebackhide__ = True
+    first = comparison.first_divergence
+    assert first is not None, f"planted divergence not caught: {comparison.pair} [{comparison.case_id}]"
+    assert (first.step, first.stage) == (step, stage), f"expected '{stage}', got:\n{comparison.message('-')}"
+    message = comparison.message("python -m pytest 'x::y'")
+    for part in (comparison.pair, comparison.case_id, f"step {step}", f"stage '{stage}'", "max abs error",
+                 "max rel error", "repro: python -m pytest"):
+        assert part in message, f"failure message lacks {part!r}:\n{message}"
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_perturbed_norm_weight_is_named(impl, drafts, tmp_path):
+    def edit(w):
+        w["layers.0.hidden_norm.weight"][3] += 0.5
+    ckpt = planted_checkpoint(drafts, GQA, ADAPTERS[impl].checkpoint_format, tmp_path, edit)
+    assert_names_stage(compare_planted(drafts, impl, GQA, ckpt), "layers.0.hidden_norm")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_aux_chunks_in_another_order_are_named(impl, drafts, tmp_path):
+    """The model expects another chunk order (fc columns permuted): aux_in agrees, fc_out does not."""
+    H = GQA.config.target_hidden_size
+
+    def edit(w):
+        w["fc.weight"] = torch.cat([w["fc.weight"][:, H:2 * H], w["fc.weight"][:, :H], w["fc.weight"][:, 2 * H:]], 1)
+    ckpt = planted_checkpoint(drafts, GQA, ADAPTERS[impl].checkpoint_format, tmp_path, edit)
+    assert_names_stage(compare_planted(drafts, impl, GQA, ckpt), "fc_out")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_aux_input_in_another_order_is_named(impl, drafts):
+    """The serving side hands the chunks over in another order: the very first stage differs."""
+    batch = drafts.batch(GQA)
+    a = batch.aux.chunk(3, dim=-1)
+    batch.aux = torch.cat([a[2], a[0], a[1]], dim=-1)
+    ckpt = drafts.checkpoint(GQA)[ADAPTERS[impl].checkpoint_format]
+    assert_names_stage(compare_planted(drafts, impl, GQA, ckpt, batch), "aux_in")
+
+
+def test_residual_after_norm_is_named(drafts):
+    """A residual taken after hidden_norm instead of before it (the reference with the knob flipped)."""
+    from dataclasses import replace
+    from fixtures.checkpoint import read_weights
+
+    ckpt = drafts.checkpoint(GQA)["speculators"]
+    planted = Eagle3Reference(replace(GQA.config, norm_before_residual=True), read_weights(ckpt), torch.float32)
+    from conformance.adapters.base import Trace
+    actual = Trace("planted", torch.float32, planted.run(drafts.batch(GQA)), [{}])
+    expected = drafts.trace("reference", GQA, torch.float32)
+    comparison = compare_traces(actual, expected, ADAPTERS["reference"].claimed_stages, 1, GQA.id)
+    assert_names_stage(comparison, "layers.0.residual")
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLEMENTATIONS])
+def test_adapter_honours_protocol(impl):
+    adapter = ADAPTERS[impl]
+    for attr in ("name", "checkpoint_format", "claimed_stages", "unsupported", "load"):
+        assert hasattr(adapter, attr), f"{impl} adapter is missing {attr}"
+    assert adapter.name == impl
+    assert adapter.checkpoint_format in ("speculators", "sglang")
+    unknown = adapter.claimed_stages - set(stages.PRE + stages.LAYER + stages.POST)
+    assert not unknown, f"{impl} claims stages that are not canonical: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLEMENTATIONS])
+@pytest.mark.parametrize("case_id", ["norm_before_fc", "two_layers"])
+def test_trace_has_every_claimed_stage(impl, case_id, drafts):
+    case = CASES_BY_ID[case_id]
+    trace = drafts.trace(impl, case, torch.float32)
+    expected = drafts.trace("reference", case, torch.float32)
+    claimed = ADAPTERS[impl].claimed_stages
+    missing = [s for s in expected.steps[0] if s.rsplit(".", 1)[-1] in claimed and s not in trace.steps[0]]
+    assert not missing, f"{impl} claims but did not produce: {missing}"
+    extra = set(trace.steps[0]) - set(stages.stage_names(case.config.num_hidden_layers))
+    assert not extra, f"{impl} produced non-canonical stages: {sorted(extra)}"
+
+
+def test_formats_share_the_same_weight_bytes(drafts):
+    dirs = drafts.checkpoint(GQA)
+    digests = {fmt: sha256(d / WEIGHTS_FILE) for fmt, d in dirs.items()}
+    assert len(set(digests.values())) == 1, f"weight files differ between formats: {digests}"
+
+
+def test_tolerance_table_covers_every_stage_kind_and_dtype():
+    kinds = {stages.stage_kind(s) for s in stages.stage_names(2)}
+    assert kinds == {"hidden", "logits", "ids"}
+    for kind in kinds:
+        for dtype in (*DTYPES.values(), torch.float64):
+            tol = tol_for(kind, dtype)
+            assert tol.atol >= 0 and tol.rtol >= 0
+    assert all(t.atol == 0 and t.rtol == 0 for (k, _), t in TOLERANCES.items() if k == "ids")
+    with pytest.raises(KeyError, match="no tolerance"):
+        tol_for("hidden", torch.int8)
+
+
+def test_case_ids_are_unique_and_readable():
+    ids = [c.id for c in ALL_CASES]
+    assert len(ids) == len(set(ids)), f"duplicate case ids: {sorted(i for i in ids if ids.count(i) > 1)}"
+    assert all(i.replace("_", "").isalnum() for i in ids), ids
+
+
+def test_every_known_divergence_matches_a_case():
+    """A registry entry no case triggers is stale (its strict xfail would never run)."""
+    for entry in KNOWN_DIVERGENCES:
+        hits = [c.id for c in STEP0_CASES if entry.applies(c.config)]
+        assert hits, f"known divergence matches no case: {entry.describe()}"
+        assert entry.stage == LOAD or entry.stage.rsplit(".", 1)[-1] in stages.PRE + stages.LAYER + stages.POST
+
+
+def test_stage_names_are_unique_and_ordered():
+    names = stages.stage_names(3)
+    assert len(names) == len(set(names))
+    assert names.index("fc_out") < names.index("layers.0.hidden_norm") < names.index("layers.2.layer_out") < names.index("logits")
+    assert "layers.1.embeds_norm" not in names

@@ -1,0 +1,166 @@
+"""The conformance report: report.json (everything) and report.md (first divergences at the top).
+
+Tests add their Comparisons to one session-wide Report (conftest.py); it is written atomically at
+session end, also when tests fail. No timestamps: identical inputs give identical reports.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from conformance.compare import ABSENT, Comparison
+
+PACKAGES = ("torch", "sglang", "speculators", "transformers", "safetensors", "hypothesis", "pytest")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def _dtype(d) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _num(x):
+    return None if x is None else float(f"{x:.6g}")
+
+
+@dataclass
+class Entry:
+    comparison: Comparison | None
+    nodeid: str
+    outcome: str                      # "pass" | "known divergence" | "FAIL"
+    case_id: str
+    impl: str
+    dtype: str
+    note: str = ""                    # known-divergence reason, or a load error
+
+
+@dataclass
+class Report:
+    entries: list[Entry] = field(default_factory=list)
+
+    def add(self, comparison: Comparison, nodeid: str, outcome: str, note: str = "") -> None:
+        self.entries.append(Entry(comparison, nodeid, outcome, comparison.case_id, comparison.impl,
+                                  _dtype(comparison.dtype), note))
+
+    def add_load_failure(self, impl: str, case_id: str, dtype: str, nodeid: str, outcome: str, error: str) -> None:
+        self.entries.append(Entry(None, nodeid, outcome, case_id, impl, dtype, error))
+
+    def sorted_entries(self) -> list[Entry]:
+        return sorted(self.entries, key=lambda e: (e.case_id, e.impl, e.dtype, e.nodeid))
+
+    # ------------------------------------------------------------ json
+    def to_json(self) -> dict:
+        comparisons = []
+        for e in self.sorted_entries():
+            item = {"case": e.case_id, "impl": e.impl, "against": "reference", "dtype": e.dtype,
+                    "nodeid": e.nodeid, "outcome": e.outcome, "note": e.note, "first_divergence": None, "stages": []}
+            if e.comparison is None:
+                item["first_divergence"] = {"step": 0, "stage": "load", "verdict": "load failed"}
+            else:
+                first = e.comparison.first_divergence
+                if first is not None:
+                    item["first_divergence"] = {"step": first.step, "stage": first.stage, "verdict": first.verdict,
+                                                "max_abs": _num(first.max_abs), "max_rel": _num(first.max_rel)}
+                item["stages"] = [
+                    {"step": r.step, "stage": r.stage, "verdict": r.verdict, "max_abs": _num(r.max_abs),
+                     "max_rel": _num(r.max_rel), "abs_index": r.abs_index, "rel_index": r.rel_index,
+                     "mismatched": r.mismatched, "numel": r.numel,
+                     "atol": None if r.tol is None else r.tol.atol, "rtol": None if r.tol is None else r.tol.rtol,
+                     "detail": r.detail}
+                    for r in e.comparison.results]
+            comparisons.append(item)
+        return {"tool": "eagle3-conformance", "versions": versions(), "comparisons": comparisons}
+
+    # ------------------------------------------------------------ markdown
+    def stage_summary(self) -> dict[tuple[str, str], dict[tuple[int, str], tuple[float, float, int]]]:
+        """(pair, dtype) -> (step, stage) -> (max abs, max rel, failures) over all cases, in forward order."""
+        out: dict = {}
+        for e in self.sorted_entries():
+            if e.comparison is None:
+                continue
+            table = out.setdefault((f"{e.impl} vs reference", e.dtype), {})
+            for r in e.comparison.results:
+                if r.verdict == ABSENT or r.max_abs is None:
+                    table.setdefault((r.step, r.stage), (None, None, 0))
+                    if r.failed:
+                        a, m, n = table[(r.step, r.stage)]
+                        table[(r.step, r.stage)] = (a, m, n + 1)
+                    continue
+                a, m, n = table.get((r.step, r.stage), (None, None, 0))
+                table[(r.step, r.stage)] = (max(a or 0.0, r.max_abs), max(m or 0.0, r.max_rel), n + int(r.failed))
+        return out
+
+    def stage_table_text(self) -> str:
+        lines = []
+        for (pair, dtype), table in self.stage_summary().items():
+            lines.append(f"{pair} [{dtype}]: max over cases")
+            lines.append(f"  {'step':>4}  {'stage':<28} {'max_abs':>10} {'max_rel':>10}  diverged")
+            for (step, stage), (a, m, n) in table.items():
+                fa = "-" if a is None else f"{a:.3e}"
+                fm = "-" if m is None else f"{m:.3e}"
+                lines.append(f"  {step:>4}  {stage:<28} {fa:>10} {fm:>10}  {n or ''}")
+        return "\n".join(lines)
+
+    def first_divergence_lines(self) -> list[str]:
+        lines = []
+        for e in self.sorted_entries():
+            if e.outcome == "pass":
+                continue
+            if e.comparison is None:
+                where = "load"
+                err = ""
+            else:
+                f = e.comparison.first_divergence
+                where = "none (no stage diverged)" if f is None else f"step {f.step} `{f.stage}`"
+                err = "" if f is None or f.max_abs is None else f" (max abs {f.max_abs:.3e}, max rel {f.max_rel:.3e})"
+            lines.append(f"| {e.outcome} | {e.impl} vs reference | {e.case_id} | {e.dtype} | {where}{err} | {e.note} |")
+        return lines
+
+    def to_markdown(self) -> str:
+        v = versions()
+        n = len(self.entries)
+        fails = sum(e.outcome == "FAIL" for e in self.entries)
+        known = sum(e.outcome == "known divergence" for e in self.entries)
+        md = ["# EAGLE-3 conformance report", "",
+              f"{n} comparisons: {n - fails - known} conform, {known} known divergences, {fails} unexpected failures.", "",
+              "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()), "",
+              "## First divergences", ""]
+        first = self.first_divergence_lines()
+        if first:
+            md += ["| outcome | pair | case | dtype | first divergent stage | reason |", "|---|---|---|---|---|---|", *first]
+        else:
+            md.append("None: every implementation matched the reference at every compared stage.")
+        md += ["", "## Per stage, max error over all cases", ""]
+        for (pair, dtype), table in self.stage_summary().items():
+            md += [f"### {pair}, {dtype}", "", "| step | stage | max abs | max rel | cases diverged |", "|---|---|---|---|---|"]
+            for (step, stage), (a, m, cnt) in table.items():
+                fa = "absent" if a is None else f"{a:.3e}"
+                fm = "" if m is None else f"{m:.3e}"
+                md.append(f"| {step} | {stage} | {fa} | {fm} | {cnt or ''} |")
+            md.append("")
+        return "\n".join(md) + "\n"
+
+    def write(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write(directory / "report.json", json.dumps(self.to_json(), indent=1) + "\n")
+        _atomic_write(directory / "report.md", self.to_markdown())
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
