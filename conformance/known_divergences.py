@@ -44,6 +44,16 @@ KNOWN_DIVERGENCES: tuple[KnownDivergence, ...] = (
         "SGLang's layer-0 qkv_proj is built with bias=False (llama_eagle3.py:67-75) and load_weights skips "
         "the q/k/v bias tensors silently (llama_eagle3.py:371-378)."),
     KnownDivergence(
+        "sglang", "mlp_bias is true",
+        lambda c: c.mlp_bias, "layers.0.mlp_out",
+        "SGLang's LlamaMLP is built with bias=False (llama_eagle3.py:82-84, llama.py:85-120) and load_weights "
+        "skips the gate/up/down bias tensors silently (llama_eagle3.py:371-378)."),
+    KnownDivergence(
+        "sglang", "sliding_window is set (and sequences are longer than the window)",
+        lambda c: c.sliding_window is not None, "layers.0.attn_core",
+        "SGLang's draft never reads the config's sliding_window/layer_types; only the server flag "
+        "--speculative-draft-window-size sets a window (llama_eagle3.py:286-299), so it attends to the whole prefix."),
+    KnownDivergence(
         "sglang", "num_hidden_layers > 1",
         lambda c: c.num_hidden_layers > 1, "layers.1.hidden_norm",
         "SGLang normalises layers >= 1 with hidden_norm (llama_eagle3.py:103-105), which no checkpoint "

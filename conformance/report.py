@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from conformance.compare import ABSENT, Comparison
+from conformance.stages import stage_names
 
 PACKAGES = ("torch", "sglang", "speculators", "transformers", "safetensors", "hypothesis", "pytest")
 
@@ -101,7 +102,10 @@ class Report:
                     continue
                 a, m, n = table.get((r.step, r.stage), (None, None, 0))
                 table[(r.step, r.stage)] = (max(a or 0.0, r.max_abs), max(m or 0.0, r.max_rel), n + int(r.failed))
-        return out
+        layers = 1 + max((int(stage.split(".")[1]) for t in out.values() for _, stage in t if stage.startswith("layers.")),
+                         default=0)
+        order = {name: i for i, name in enumerate(stage_names(layers))}
+        return {key: dict(sorted(t.items(), key=lambda kv: (kv[0][0], order[kv[0][1]]))) for key, t in out.items()}
 
     def stage_table_text(self) -> str:
         lines = []

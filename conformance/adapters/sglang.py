@@ -6,8 +6,6 @@ SGLang's own modules and mapped to the canonical layout (running-real-implementa
 """
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
@@ -20,6 +18,7 @@ from reference.eagle3 import DraftBatch, Eagle3Config
 
 ATTENTION_BACKEND = "torch_native"
 WEIGHTS_FILE = "model.safetensors"
+INIT_METHOD = "tcp://127.0.0.1:0"
 
 
 def cpu_runtime_adjustments() -> dict[str, tuple[object, object]]:
@@ -36,12 +35,6 @@ def cpu_runtime_adjustments() -> dict[str, tuple[object, object]]:
     before = rope_base._is_cpu
     rope_base._is_cpu = True
     return {"sglang.srt.layers.rotary_embedding.base._is_cpu": (before, rope_base._is_cpu)}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _RUNTIME: dict | None = None
@@ -66,11 +59,10 @@ def ensure_runtime() -> dict:
     from sglang.srt.server_args import ServerArgs
 
     adjustments = cpu_runtime_adjustments()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    # A free port per process, so pytest-xdist workers (or parallel runs) never collide.
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if not torch.distributed.is_initialized():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    # Idempotent inside SGLang. Port 0: the OS picks a free port for this world of one, so
+    # parallel processes (pytest-xdist workers, concurrent runs) never collide; no MASTER_* env.
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=INIT_METHOD)
     if not model_parallel_is_initialized():
         reset_context()
         # model_path "dummy" is SGLang's own "no model" value: server-argument resolution then
@@ -84,7 +76,7 @@ def ensure_runtime() -> dict:
         # reset_context() drops the WORLD handle init_distributed_environment registered.
         get_parallel().override_permanently(world_group=parallel_state._WORLD)
         initialize_model_parallel(backend="gloo")
-    _RUNTIME = {"adjustments": adjustments, "master_port": os.environ["MASTER_PORT"]}
+    _RUNTIME = {"adjustments": adjustments, "distributed": f"gloo, world 1, {INIT_METHOD}"}
     return _RUNTIME
 
 
@@ -300,14 +292,15 @@ class LoadedSGLang:
         req_pool_indices = torch.arange(1, B + 1, dtype=torch.int64)
 
         # Step 0: SGLang's draft EXTEND, each sequence one request with no cached prefix.
-        aux = batch.aux.to(self.dtype)
-        input_ids = batch.input_ids.long()
+        # Copies: SGLang's forward must never write into the caller's batch.
+        aux = batch.aux.to(self.dtype, copy=True)
+        input_ids = batch.input_ids.long().clone()
         seq_lens = torch.tensor(lengths, dtype=torch.int64)
         fb = ForwardBatch(
             forward_mode=ForwardMode.EXTEND, batch_size=B, input_ids=input_ids,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
             out_cache_loc=torch.cat([sl[:n] for sl, n in zip(slots, lengths)]), seq_lens_sum=T,
-            positions=batch.positions.long(),
+            positions=batch.positions.long().clone(),
             extend_num_tokens=T,
             extend_seq_lens=torch.tensor(lengths, dtype=torch.int32),
             extend_prefix_lens=torch.zeros(B, dtype=torch.int32),
@@ -357,5 +350,6 @@ class LoadedSGLang:
             f"fc ran at step 0: {'yes' if fc_ran else 'no (aux width equals hidden_size)'}",
             "runtime adjustments: " + ", ".join(f"{k} {a}->{b}" for k, (a, b) in self.runtime["adjustments"].items()),
             f"step 0: EXTEND of {B} requests; steps >= 1: DECODE on each request's last token",
+            "config via sglang get_config; weights via LlamaForCausalLMEagle3.load_weights",
         ]
         return Trace(impl="sglang", dtype=self.dtype, steps=trace_steps, rows=trace_rows, notes=notes)

@@ -45,11 +45,14 @@ def assert_same(name: str, actual: torch.Tensor, expected: torch.Tensor):
 
 
 def random_module(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights for an HF module (norm weights around 1, so a missing norm shows); returns its state dict."""
     g = torch.Generator().manual_seed(seed)
     module.float()
+    is_norm = isinstance(module, hf.LlamaRMSNorm)
     with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=F32) * 0.3 + (1.0 if p.ndim == 1 and "norm" in type(module).__name__.lower() else 0.0))
+        for name, p in module.named_parameters():
+            centre = 1.0 if is_norm or "norm" in name else 0.0
+            p.copy_(centre + 0.3 * torch.randn(p.shape, generator=g, dtype=F32))
     return {k: v.detach() for k, v in module.state_dict().items()}
 
 
