@@ -13,7 +13,6 @@ PYTEST := $(PY) -m pytest
 $(VENV)/.installed: requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements.lock
-	$(PY) -m pip check --disable-pip-version-check >/dev/null || true
 	touch $@
 
 venv: $(VENV)/.installed
