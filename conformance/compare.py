@@ -14,7 +14,7 @@ import torch
 
 from conformance import stages as S
 from conformance.adapters.base import Trace
-from conformance.tolerances import Tol, tol_for
+from conformance.tolerances import Tol, dtype_name, tol_for
 
 OK, DIVERGED, MISSING, ABSENT = "ok", "diverged", "missing", "absent"
 
@@ -67,7 +67,7 @@ class Comparison:
 
     def message(self, repro: str) -> str:
         first = self.first_divergence
-        dtype = str(self.dtype).replace("torch.", "")
+        dtype = dtype_name(self.dtype)
         if first is None:
             return f"{self.pair} [{self.case_id}, {dtype}]: every compared stage within tolerance"
         matched = sum(1 for r in self.results[: self.results.index(first)] if r.verdict == OK)

@@ -17,8 +17,6 @@ from fixtures.checkpoint import write_checkpoints
 from fixtures.tiny import make_batch, make_draft_weights
 from reference.eagle3 import DraftBatch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 class LoadFailed(Exception):
     """The implementation's own loader refused a checkpoint; the message is one line."""
@@ -48,8 +46,9 @@ class DraftStore:
             try:
                 loaded = adapter.load(ckpt, dtype)
             except Exception as exc:  # the implementation's loader: keep its own words, on one line
-                first_line = (str(exc).strip().splitlines() or [""])[0]
-                self._traces[key] = LoadFailed(f"{impl} could not load {ckpt}: {type(exc).__name__}: {first_line}")
+                first_line = (str(exc).strip().splitlines() or [""])[0].replace(str(self.root) + "/", "")
+                where = ckpt.relative_to(self.root)   # no session temp path: reports stay identical run to run
+                self._traces[key] = LoadFailed(f"{impl} could not load {where}: {type(exc).__name__}: {first_line}")
             else:
                 self._traces[key] = loaded.run(self.batch(case, steps), steps)
         result = self._traces[key]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from conformance.compare import ABSENT, Comparison
 from conformance.stages import stage_names
+from conformance.tolerances import dtype_name
 
 PACKAGES = ("torch", "sglang", "speculators", "transformers", "safetensors", "hypothesis", "pytest")
 
@@ -27,10 +28,6 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[name] = "not installed"
     return out
-
-
-def _dtype(d) -> str:
-    return str(d).replace("torch.", "")
 
 
 def _num(x):
@@ -54,7 +51,7 @@ class Report:
 
     def add(self, comparison: Comparison, nodeid: str, outcome: str, note: str = "") -> None:
         self.entries.append(Entry(comparison, nodeid, outcome, comparison.case_id, comparison.impl,
-                                  _dtype(comparison.dtype), note))
+                                  dtype_name(comparison.dtype), note))
 
     def add_load_failure(self, impl: str, case_id: str, dtype: str, nodeid: str, outcome: str, error: str) -> None:
         self.entries.append(Entry(None, nodeid, outcome, case_id, impl, dtype, error))

@@ -11,8 +11,9 @@ import torch
 
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
 from conformance.compare import compare_traces
-from conformance.harness import DTYPES, LoadFailed
+from conformance.harness import LoadFailed
 from conformance.known_divergences import LOAD, KnownDivergence, known_divergence
+from conformance.tolerances import DTYPES
 from fixtures.cases import STEP0_CASES
 
 

@@ -39,6 +39,15 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tol] = {
 }
 
 
+# The dtypes implementations run in, by the short names used in test ids and reports.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
 def tol_for(kind: str, dtype: torch.dtype) -> Tol:
     try:
         return TOLERANCES[(kind, dtype)]

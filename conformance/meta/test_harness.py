@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from conformance import stages
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
 from conformance.compare import compare_traces
-from conformance.harness import DTYPES
+from conformance.tolerances import DTYPES
 from conformance.known_divergences import KNOWN_DIVERGENCES, LOAD
 from conformance.tolerances import TOLERANCES, tol_for
 from fixtures.cases import ALL_CASES, CASES_BY_ID, STEP0_CASES
@@ -156,3 +156,24 @@ def test_stage_names_are_unique_and_ordered():
     assert len(names) == len(set(names))
     assert names.index("fc_out") < names.index("layers.0.hidden_norm") < names.index("layers.2.layer_out") < names.index("logits")
     assert "layers.1.embeds_norm" not in names
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLEMENTATIONS])
+def test_runs_are_bitwise_deterministic(impl, drafts):
+    """Two loads and runs of the same checkpoint on the same inputs give identical stages."""
+    case = CASES_BY_ID["norm_before_fc"]
+    ckpt = drafts.checkpoint(case)[ADAPTERS[impl].checkpoint_format]
+    first, second = (ADAPTERS[impl]().load(ckpt, torch.bfloat16).run(drafts.batch(case)) for _ in range(2))
+    differing = [s for s in first.steps[0] if not torch.equal(first.steps[0][s], second.steps[0][s])]
+    assert not differing, f"{impl}: stages differ between two identical runs: {differing}"
+
+
+def test_sglang_cpu_adjustment_is_the_documented_one():
+    """The only runtime adjustment: SGLang's rotary module treats this host as a CPU (see adapters/sglang.py)."""
+    from conformance.adapters.sglang import ensure_runtime
+
+    runtime = ensure_runtime()
+    adjustments = runtime["adjustments"]
+    assert set(adjustments) == {"sglang.srt.layers.rotary_embedding.base._is_cpu"}, adjustments
+    from sglang.srt.layers.rotary_embedding import base as rope_base
+    assert rope_base._is_cpu is True
