@@ -64,12 +64,12 @@ def repro(request) -> str:
 
 def pytest_sessionfinish(session, exitstatus):
     directory = session.config.getoption("--report")
-    if directory and _REPORT.entries:
+    if directory and (_REPORT.entries or _REPORT.sections):
         _REPORT.write(Path(directory))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not _REPORT.entries or not (config.getoption("--stage-table") or config.getoption("--report")):
+    if not (_REPORT.entries or _REPORT.sections) or not (config.getoption("--stage-table") or config.getoption("--report")):
         return
     tr = terminalreporter
     tr.section("eagle3 conformance: per implementation pair and stage")

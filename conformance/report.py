@@ -48,6 +48,11 @@ class Entry:
 @dataclass
 class Report:
     entries: list[Entry] = field(default_factory=list)
+    sections: dict[str, list[dict]] = field(default_factory=dict)   # extra report sections: title -> rows
+
+    def add_row(self, section: str, row: dict) -> None:
+        """One row of a named section (e.g. "wiring"): JSON-able values; shown as a table in report.md."""
+        self.sections.setdefault(section, []).append(row)
 
     def add(self, comparison: Comparison, nodeid: str, outcome: str, note: str = "") -> None:
         self.entries.append(Entry(comparison, nodeid, outcome, comparison.case_id, comparison.impl,
@@ -80,7 +85,9 @@ class Report:
                      "detail": r.detail}
                     for r in e.comparison.results]
             comparisons.append(item)
-        return {"tool": "eagle3-conformance", "versions": versions(), "comparisons": comparisons}
+        sections = {name: sorted(rows, key=lambda r: json.dumps(r, sort_keys=True, default=str))
+                    for name, rows in sorted(self.sections.items())}
+        return {"tool": "eagle3-conformance", "versions": versions(), "comparisons": comparisons, "sections": sections}
 
     # ------------------------------------------------------------ markdown
     def stage_summary(self) -> dict[tuple[str, str], dict[tuple[int, str], tuple[float, float, int]]]:
@@ -152,12 +159,25 @@ class Report:
                 fm = "" if m is None else f"{m:.3e}"
                 md.append(f"| {step} | {stage} | {fa} | {fm} | {cnt or ''} |")
             md.append("")
+        for name, rows in self.to_json()["sections"].items():
+            columns = list(dict.fromkeys(k for r in rows for k in r))
+            md += [f"## {name}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            md += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
+            md.append("")
         return "\n".join(md) + "\n"
 
     def write(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         _atomic_write(directory / "report.json", json.dumps(self.to_json(), indent=1) + "\n")
         _atomic_write(directory / "report.md", self.to_markdown())
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
 
 
 def _atomic_write(path: Path, text: str) -> None:
