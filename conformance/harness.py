@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import Trace
+from conformance.compare import compare_traces
+from conformance.known_divergences import LOAD, known_divergence
+from conformance.tolerances import DTYPES
 from fixtures.cases import DraftCase
 from fixtures.checkpoint import write_checkpoints
 from fixtures.tiny import make_batch, make_draft_weights
@@ -34,24 +38,75 @@ class DraftStore:
             self._checkpoints[case.id] = write_checkpoints(case.config, weights, self.root / case.id)
         return self._checkpoints[case.id]
 
-    def batch(self, case: DraftCase, steps: int = 1) -> DraftBatch:
-        return make_batch(case.config, case.lengths, torch.Generator().manual_seed(case.seed + 1), steps)
+    def batch(self, case: DraftCase, steps: int = 1, teacher_forced: bool = True) -> DraftBatch:
+        batch = make_batch(case.config, case.lengths, torch.Generator().manual_seed(case.seed + 1), steps,
+                           positions_from=case.positions_from, teacher_forced=teacher_forced)
+        batch.cached_prefix = case.cached_prefix
+        return batch
 
-    def trace(self, impl: str, case: DraftCase, dtype: torch.dtype, steps: int = 1) -> Trace:
+    def trace(self, impl: str, case: DraftCase, dtype: torch.dtype, steps: int = 1, teacher_forced: bool = True) -> Trace:
         """Load `impl` on the case's checkpoint (its own format) and run it; raises LoadFailed."""
-        key = (impl, case.id, dtype, steps)
+        key = (impl, case.id, dtype, steps, teacher_forced)
         if key not in self._traces:
             adapter = ADAPTERS[impl]()
             ckpt = self.checkpoint(case)[adapter.checkpoint_format]
             try:
-                loaded = adapter.load(ckpt, dtype)
+                loaded = adapter.load(ckpt, dtype, dict(case.sglang_args))
             except Exception as exc:  # the implementation's loader: keep its own words, on one line
                 first_line = (str(exc).strip().splitlines() or [""])[0].replace(str(self.root) + "/", "")
                 where = ckpt.relative_to(self.root)   # no session temp path: reports stay identical run to run
                 self._traces[key] = LoadFailed(f"{impl} could not load {where}: {type(exc).__name__}: {first_line}")
             else:
-                self._traces[key] = loaded.run(self.batch(case, steps), steps)
+                self._traces[key] = loaded.run(self.batch(case, steps, teacher_forced), steps)
         result = self._traces[key]
         if isinstance(result, LoadFailed):
             raise result
         return result
+
+
+# ---------------------------------------------------------------- one conformance check
+
+class KnownDivergenceHit(AssertionError):
+    """The registered divergence, at the registered step and stage: what a strict xfail expects."""
+
+
+def conformance_params(impls, dtype_names, cases, extra_id: str = ""):
+    """pytest params impl x dtype x case; a registered divergence makes its param a strict xfail."""
+    for impl in impls:
+        for dtype_name in dtype_names:
+            for case in cases:
+                known = known_divergence(impl, case)
+                marks = [pytest.mark.xfail(strict=True, raises=KnownDivergenceHit, reason=known.describe())] if known else []
+                ids = "-".join(p for p in (impl, dtype_name, extra_id, case.id) if p)
+                yield pytest.param(impl, dtype_name, case, id=ids, marks=marks)
+
+
+def assert_conforms(drafts: DraftStore, report, impl: str, case: DraftCase, dtype_name: str, nodeid: str,
+                    repro: str, steps: int = 1, teacher_forced: bool = True) -> None:
+    """Run `impl` and the reference on the case, compare every step and stage, record, and fail with
+    the full message; a registered divergence hit exactly raises KnownDivergenceHit."""
+    __tracebackhide__ = True
+    dtype = DTYPES[dtype_name]
+    known = known_divergence(impl, case)
+    label = f"{impl} vs reference [{case.id}, {dtype_name}]"
+    try:
+        actual = drafts.trace(impl, case, dtype, steps, teacher_forced)
+    except LoadFailed as exc:
+        hit = known is not None and known.stage == LOAD
+        report.add_load_failure(impl, case.id, dtype_name, nodeid, "known divergence" if hit else "FAIL", str(exc))
+        error = KnownDivergenceHit if hit else AssertionError
+        raise error(f"{label}: first divergence at step 0, stage 'load'\n  {exc}\n  repro: {repro}") from None
+    expected = drafts.trace("reference", case, dtype, steps, teacher_forced)
+    precise = drafts.trace("reference", case, torch.float64, steps, teacher_forced)
+    comparison = compare_traces(actual, expected, ADAPTERS[impl].claimed_stages, case.config.num_hidden_layers,
+                                case.id, precise=precise)
+    first = comparison.first_divergence
+    hit = known is not None and first is not None and (first.step, first.stage) == (known.step, known.stage)
+    outcome = "pass" if first is None else ("known divergence" if hit else "FAIL")
+    report.add(comparison, nodeid, outcome, known.reason if hit else "")
+    if first is None:
+        return
+    message = comparison.message(repro)
+    if hit:
+        raise KnownDivergenceHit(f"{message}\n  known: {known.reason}")
+    raise AssertionError(message)

@@ -6,7 +6,14 @@ Per-layer stages are prefixed `layers.{i}.`.
 """
 from __future__ import annotations
 
-PRE = ("aux_in", "fc_in_norm", "fc_out", "input_ids", "embeds")
+PRE = (
+    "aux_in",           # step 0: the target's aux hidden states, [T, A*Ht]
+    "fc_in_norm",       # step 0: input_norm / fc_norm output, when the draft has one
+    "fc_out",           # step 0: fc output, [T, H]
+    "hidden_in",        # steps >= 1: the recurrent hidden this step was fed (the previous step's output)
+    "input_ids",        # the token ids embedded at this step
+    "embeds",
+)
 LAYER = (
     "embeds_norm",      # layer 0 only: input_layernorm(embeds)
     "hidden_norm",      # the normed hidden entering attention (hidden_norm on layer 0, input_layernorm after)

@@ -200,6 +200,8 @@ class DraftBatch:
     positions: torch.Tensor      # [T] step-0 positions
     seq_ids: torch.Tensor        # [T] which sequence each token belongs to
     next_ids: torch.Tensor | None = None  # [T, steps-1] teacher-forced ids for steps >= 1; None = free running
+    cached_prefix: tuple[int, ...] | None = None  # per sequence, tokens a server already holds in its KV
+    # cache (chunked prefill); the math is the same, so the reference and training ignore it
 
     @property
     def index_in_seq(self) -> torch.Tensor:
@@ -291,6 +293,8 @@ class Eagle3Reference:
                     stages["fc_in_norm"] = x
                 h = linear(x, w, "fc")                                                 # [T, H]
                 stages["fc_out"] = h
+            else:
+                stages["hidden_in"] = h                                                # fed back from step - 1
             stages["input_ids"] = ids
             embeds = F.embedding(ids, w["embed_tokens.weight"])                        # [T, H]
             stages["embeds"] = embeds

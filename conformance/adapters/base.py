@@ -6,7 +6,7 @@ canonical stages of conformance/stages.py. Implementation layouts are mapped ins
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -32,11 +32,28 @@ class Trace:
         rows = self.rows[step].get(stage) if step < len(self.rows) else None
         return self.steps[step][stage], rows
 
+    def on_cpu(self) -> "Trace":
+        """The same trace with every tensor on the CPU, where comparisons run (no copies on a CPU run)."""
+        def cpu(d):
+            return {k: v.cpu() for k, v in d.items()}
+        return replace(self, steps=[cpu(s) for s in self.steps], rows=[cpu(r) for r in self.rows])
+
+
+def batch_on(batch: DraftBatch, device: str | torch.device) -> DraftBatch:
+    """The batch with its tensors on `device` (the same object when it is the CPU)."""
+    if torch.device(device).type == "cpu":
+        return batch
+    moved = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
+             if isinstance(getattr(batch, f.name), torch.Tensor)}
+    return replace(batch, **moved)
+
 
 class LoadedDraft(Protocol):
     """A draft loaded by one implementation, ready to run."""
 
-    def run(self, batch: DraftBatch, steps: int = 1) -> Trace: ...
+    def run(self, batch: DraftBatch, steps: int = 1) -> Trace:
+        """Trace tensors stay on the device the draft was loaded on (Trace.on_cpu moves them)."""
+        ...
 
 
 class DraftImpl(Protocol):
@@ -50,4 +67,9 @@ class DraftImpl(Protocol):
         """Why this implementation cannot even express `cfg`, or None."""
         ...
 
-    def load(self, ckpt_dir: Path, dtype: torch.dtype) -> LoadedDraft: ...
+    def load(self, ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = None,
+             device: str = "cpu") -> LoadedDraft:
+        """Load through the implementation's own path. `server_args` are serving-engine flags
+        (SGLang ServerArgs field names); implementations that are not servers ignore them.
+        `device`: "cpu" or "cuda", where the weights live and the draft runs."""
+        ...

@@ -6,6 +6,9 @@ SGLang's own modules and mapped to the canonical layout (running-real-implementa
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
@@ -17,6 +20,9 @@ from conformance.adapters.base import Trace
 from reference.eagle3 import DraftBatch, Eagle3Config
 
 ATTENTION_BACKEND = "torch_native"
+# On CUDA: SGLang's Triton attention, the GPU backend that needs no extra package (triton ships with
+# torch; flashinfer and fa3 are separate CUDA builds).
+GPU_ATTENTION_BACKEND = "triton"
 WEIGHTS_FILE = "model.safetensors"
 INIT_METHOD = "tcp://127.0.0.1:0"
 
@@ -58,7 +64,10 @@ def ensure_runtime() -> dict:
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    adjustments = cpu_runtime_adjustments()
+    # SGLang picks its kernels per host when its modules are imported (is_cuda()), so the device is
+    # the host's: CUDA when there is one (SGLang's own CUDA kernels, no adjustment), else the CPU.
+    device = runtime_device()
+    adjustments = cpu_runtime_adjustments() if device == "cpu" else {}
     # Idempotent inside SGLang. Port 0: the OS picks a free port for this world of one, so
     # parallel processes (pytest-xdist workers, concurrent runs) never collide; no MASTER_* env.
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -68,7 +77,7 @@ def ensure_runtime() -> dict:
         # model_path "dummy" is SGLang's own "no model" value: server-argument resolution then
         # skips reading a model config (the draft's config is read per checkpoint in load()).
         publish(
-            ServerArgs(model_path="dummy", device="cpu", attention_backend=ATTENTION_BACKEND,
+            ServerArgs(model_path="dummy", device=device, attention_backend=attention_backend(device),
                        tp_size=1, ep_size=1, pp_size=1),
             role="scheduler",
             ranks=SpawnRanks(world_rank=0),
@@ -76,8 +85,16 @@ def ensure_runtime() -> dict:
         # reset_context() drops the WORLD handle init_distributed_environment registered.
         get_parallel().override_permanently(world_group=parallel_state._WORLD)
         initialize_model_parallel(backend="gloo")
-    _RUNTIME = {"adjustments": adjustments, "distributed": f"gloo, world 1, {INIT_METHOD}"}
+    _RUNTIME = {"adjustments": adjustments, "distributed": f"gloo, world 1, {INIT_METHOD}", "device": device}
     return _RUNTIME
+
+
+def runtime_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def attention_backend(device: str) -> str:
+    return ATTENTION_BACKEND if torch.device(device).type == "cpu" else GPU_ATTENTION_BACKEND
 
 
 class SGLangAdapter:
@@ -92,8 +109,16 @@ class SGLangAdapter:
             return f"SGLang's draft MLP (LlamaMLP) only supports silu, not {cfg.hidden_act!r}"
         return None
 
-    def load(self, ckpt_dir: Path, dtype: torch.dtype) -> "LoadedSGLang":
+    def load(self, ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = None,
+             device: str = "cpu") -> "LoadedSGLang":
+        """`server_args`: SGLang speculative server flags by ServerArgs field name (e.g.
+        speculative_draft_window_size), applied through SGLang's own scoped config override while
+        the model is built, which is when LlamaForCausalLMEagle3 reads them (llama_eagle3.py:288-299)."""
         runtime = ensure_runtime()
+        if torch.device(device).type != runtime["device"]:
+            raise ValueError(f"sglang: asked for device {device!r}, but SGLang chose its kernels for "
+                             f"{runtime['device']!r} on this host (is_cuda() at import)")
+        from sglang.srt.runtime_context import get_spec
         from sglang.srt.model_loader.utils import set_default_torch_dtype
         from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
         from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
@@ -102,10 +127,10 @@ class SGLangAdapter:
         # SGLang's config path, minus its per-process cache (keyed by path only: a directory
         # rewritten between tests would return a stale config); the model also writes into it.
         config = get_config.__wrapped__(str(ckpt_dir), trust_remote_code=False)
-        with set_default_torch_dtype(dtype):
+        with set_default_torch_dtype(dtype), get_spec().override(**(server_args or {})), torch.device(device):
             model = LlamaForCausalLMEagle3(config).eval()
         model.load_weights(safetensors_weights_iterator([str(Path(ckpt_dir) / WEIGHTS_FILE)]))
-        return LoadedSGLang(model, dtype, runtime)
+        return LoadedSGLang(model, dtype, runtime, device, Path(ckpt_dir))
 
 
 class _Recorder:
@@ -119,7 +144,7 @@ class _Recorder:
         self.seen: dict[str, object] = {}
         self.layer: int | None = None
         inner = model.model
-        self.handles = []
+        self._hooks: list = []   # (register method, hook): attach() registers them, detach() removes them
 
         def enter(i):
             def pre_hook(module, args):
@@ -147,7 +172,7 @@ class _Recorder:
         for j, norm in enumerate(inner.fc_norm or []):
             targets.append((norm, f"fc_norm.{j}", out))
         for i, layer in enumerate(inner.layers):
-            self.handles += [layer.register_forward_pre_hook(enter(i)), layer.register_forward_hook(leave)]
+            self._hooks += [(layer.register_forward_pre_hook, enter(i)), (layer.register_forward_hook, leave)]
             attn = layer.self_attn
             targets += [
                 (layer.hidden_norm, "hidden_norm", out),
@@ -165,11 +190,32 @@ class _Recorder:
         for module, name, pick in targets:
             if (id(module), name) not in hooked:   # a shared module is hooked once per name
                 hooked.add((id(module), name))
-                self.handles.append(module.register_forward_hook(keep(name, pick)))
+                self._hooks.append((module.register_forward_hook, keep(name, pick)))
+        self.attach()
+
+    def attach(self) -> None:
+        self.handles = [register(hook) for register, hook in self._hooks]
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     def take(self) -> dict[str, object]:
         seen, self.seen, self.layer = self.seen, {}, None
         return seen
+
+
+def _batch_on(fb, device: str):
+    """A ForwardBatch with its tensors on `device`; the `*_cpu` host copies stay where SGLang wants them."""
+    fb, spec = copy.copy(fb), copy.copy(fb.spec_info)   # shallow: no __post_init__ runs again
+    for f in dataclasses.fields(fb):
+        value = getattr(fb, f.name)
+        if isinstance(value, torch.Tensor) and not f.name.endswith("_cpu"):
+            setattr(fb, f.name, value.to(device))
+    spec.hidden_states = spec.hidden_states.to(device)
+    fb.spec_info = spec
+    return fb
 
 
 def _clone(x):
@@ -181,11 +227,15 @@ def _clone(x):
 
 
 class LoadedSGLang:
-    def __init__(self, model, dtype: torch.dtype, runtime: dict):
+    def __init__(self, model, dtype: torch.dtype, runtime: dict, device: str = "cpu", model_dir: Path | None = None):
         self.model = model
+        self.model_dir = model_dir   # SGLang's ModelConfig is read from it for a GPU attention backend
         self.dtype = dtype
         self.runtime = runtime
+        self.device = device
+        self.attention_backend = attention_backend(device)
         self.recorder = _Recorder(model)
+        self.passes: list = []   # (backend, ForwardBatch) of each forward pass of the last run()
         attn0 = model.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
         self.hot_token_id = model.get_hot_token_id()
@@ -199,10 +249,10 @@ class LoadedSGLang:
 
         per_req = [n + steps - 1 for n in lengths]
         req_to_token_pool = ReqToTokenPool(size=len(lengths), max_context_len=max(per_req),
-                                           device="cpu", enable_memory_saver=False)
+                                           device=self.device, enable_memory_saver=False)
         kv_pool = MHATokenToKVPool(size=sum(per_req) + 1, page_size=1, dtype=self.dtype,
                                    head_num=self.num_kv_heads, head_dim=self.head_dim,
-                                   layer_num=len(self.model.model.layers), device="cpu",
+                                   layer_num=len(self.model.model.layers), device=self.device,
                                    enable_memory_saver=False, enable_alt_stream=False)
         slots, base = [], 1
         for r, n in enumerate(per_req):
@@ -210,18 +260,68 @@ class LoadedSGLang:
             req_to_token_pool.req_to_token[r + 1, :n] = s
             slots.append(s.long())
             base += n
-        # The attention backend reads only these three fields of a ModelRunner.
-        runner = SimpleNamespace(device="cpu", req_to_token_pool=req_to_token_pool, token_to_kv_pool=kv_pool)
-        return ATTENTION_BACKENDS[ATTENTION_BACKEND](runner), slots
+        if self.attention_backend == ATTENTION_BACKEND:
+            # The torch_native backend reads only these three fields of a ModelRunner.
+            runner = SimpleNamespace(device=self.device, req_to_token_pool=req_to_token_pool, token_to_kv_pool=kv_pool)
+        else:
+            runner = self._gpu_runner(req_to_token_pool, kv_pool)
+        return ATTENTION_BACKENDS[self.attention_backend](runner), slots
+
+    def _gpu_runner(self, req_to_token_pool, kv_pool):
+        """The ModelRunner fields SGLang's Triton backend reads (its __init__ and the KV-index plan),
+        as SGLang's own attention test kit fills them (sglang/test/kits/attention_unittest/
+        attention_methods/dense_attention.py, MockModelRunner): this draft's ModelConfig, page size 1."""
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        allocator = SimpleNamespace(page_size=1, get_kvcache=lambda: kv_pool)
+        runner = SimpleNamespace(
+            device=self.device, gpu_id=torch.device(self.device).index or 0, page_size=1,
+            req_to_token_pool=req_to_token_pool, token_to_kv_pool=kv_pool, token_to_kv_pool_allocator=allocator,
+            model_config=ModelConfig(str(self.model_dir)), is_draft_worker=True,
+            spec_algorithm=SpeculativeAlgorithm.EAGLE3, sliding_window_size=None, kv_cache_dtype=self.dtype,
+            decode_num_tokens_per_req=lambda: 1)
+        runner.kv_index_translator = KVIndexTranslator(
+            req_to_token=req_to_token_pool.req_to_token, token_to_kv_pool_allocator=allocator,
+            token_to_kv_pool=kv_pool, page_size=1, device=self.device, is_draft_worker=True)
+        return runner
 
     def _forward(self, backend, fb):
+        if self.device != "cpu":
+            fb = _batch_on(fb, self.device)
+        translator = getattr(backend, "kv_index_translator", None)
+        if translator is not None:   # Triton reads KV ids through a plan, as ForwardBatch.init_new binds it
+            translator.bind_own_plan(fb)
+        self.passes.append((backend, fb))
+        self.recorder.take()
+        out = self._pass(backend, fb)
+        return out, self.recorder.take()
+
+    def _pass(self, backend, fb):
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-        self.recorder.take()
         with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend), forward_batch=fb):
             backend.init_forward_metadata(fb)
-            out = self.model.forward(fb.input_ids, fb.positions, fb)
-        return out, self.recorder.take()
+            return self.model.forward(fb.input_ids, fb.positions, fb)
+
+    # ------------------------------------------------------------ timing (benchmarks)
+
+    @contextlib.contextmanager
+    def hooks_detached(self):
+        """No stage hooks inside (they clone every stage): what a benchmark times is the bare pass."""
+        self.recorder.detach()
+        try:
+            yield
+        finally:
+            self.recorder.attach()
+
+    def replay_pass(self, index: int):
+        """Forward pass `index` of the last run() again, on its own pools and ForwardBatch: SGLang's
+        EXTEND (0) or DECODE (k >= 1) pass alone. A pass rewrites the same KV slots with the same
+        values, so replaying it changes nothing (conformance/test_throughput.py checks that)."""
+        backend, fb = self.passes[index]
+        return self._pass(backend, fb)
 
     # ------------------------------------------------------------ one pass -> canonical stages
 
@@ -237,6 +337,8 @@ class LoadedSGLang:
         s: dict[str, torch.Tensor] = {}
         if aux_in:
             s["aux_in"] = spec_hidden.clone()
+        else:   # a draft DECODE pass is fed the previous step's returned hidden (spec_info.hidden_states)
+            s["hidden_in"] = spec_hidden.clone()
         if "fc" in seen:  # SGLang runs fc only when the spec hidden is not hidden_size wide
             chunks = [seen[k] for k in sorted(k for k in seen if k.startswith("fc_norm."))]
             if chunks:
@@ -289,30 +391,47 @@ class LoadedSGLang:
         B, T = len(lengths), sum(lengths)
         last = torch.tensor(lengths).cumsum(0) - 1                            # packed row of each last token
         backend, slots = self._pools(lengths, steps)
+        self.passes = []
         req_pool_indices = torch.arange(1, B + 1, dtype=torch.int64)
 
-        # Step 0: SGLang's draft EXTEND, each sequence one request with no cached prefix.
+        # Step 0: SGLang's draft EXTEND, each sequence one request. With `cached_prefix`, the
+        # leading tokens of each request are extended first and the rest extends over that cached
+        # prefix (chunked prefill), as a server does with long prompts.
         # Copies: SGLang's forward must never write into the caller's batch.
         aux = batch.aux.to(self.dtype, copy=True)
         input_ids = batch.input_ids.long().clone()
-        seq_lens = torch.tensor(lengths, dtype=torch.int64)
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=B, input_ids=input_ids,
-            req_pool_indices=req_pool_indices, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
-            out_cache_loc=torch.cat([sl[:n] for sl, n in zip(slots, lengths)]), seq_lens_sum=T,
-            positions=batch.positions.long().clone(),
-            extend_num_tokens=T,
-            extend_seq_lens=torch.tensor(lengths, dtype=torch.int32),
-            extend_prefix_lens=torch.zeros(B, dtype=torch.int32),
-            extend_start_loc=(last + 1 - torch.tensor(lengths)).to(torch.int32),
-            extend_seq_lens_cpu=list(lengths), extend_prefix_lens_cpu=[0] * B,
-            capture_hidden_mode=CaptureHiddenMode.FULL,
-            spec_info=EagleDraftExtendInput(hidden_states=aux, num_tokens_per_req=1,
-                                            num_tokens_for_logprob_per_req=1),
-        )
-        out, seen = self._forward(backend, fb)
-        fc_ran = "fc" in seen
-        st = self._stages(seen, aux, input_ids, out, aux_in=True)
+        starts = last + 1 - torch.tensor(lengths)
+        prefix = list(batch.cached_prefix) if batch.cached_prefix else [0] * B
+        if not all(0 <= p < n for p, n in zip(prefix, lengths)):
+            raise ValueError(f"cached_prefix {prefix} must leave at least one token of each sequence {lengths}")
+        chunks = [[(0, p) for p in prefix], [(p, n) for p, n in zip(prefix, lengths)]] if any(prefix) else \
+            [[(0, n) for n in lengths]]
+        st, fc_ran = {}, False
+        for chunk in chunks:
+            rows = torch.cat([torch.arange(a, b) + s0 for (a, b), s0 in zip(chunk, starts.tolist())])
+            chunk_lens = [b - a for a, b in chunk]
+            seq_lens = torch.tensor([b for _, b in chunk], dtype=torch.int64)
+            fb = ForwardBatch(
+                forward_mode=ForwardMode.EXTEND, batch_size=B, input_ids=input_ids[rows],
+                req_pool_indices=req_pool_indices, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
+                out_cache_loc=torch.cat([sl[a:b] for sl, (a, b) in zip(slots, chunk)]),
+                seq_lens_sum=int(seq_lens.sum()), positions=batch.positions[rows].long().clone(),
+                extend_num_tokens=len(rows),
+                extend_seq_lens=torch.tensor(chunk_lens, dtype=torch.int32),
+                extend_prefix_lens=torch.tensor([a for a, _ in chunk], dtype=torch.int32),
+                extend_start_loc=(torch.tensor(chunk_lens).cumsum(0) - torch.tensor(chunk_lens)).to(torch.int32),
+                extend_seq_lens_cpu=chunk_lens, extend_prefix_lens_cpu=[a for a, _ in chunk],
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+                spec_info=EagleDraftExtendInput(hidden_states=aux[rows], num_tokens_per_req=1,
+                                                num_tokens_for_logprob_per_req=1),
+            )
+            out, seen = self._forward(backend, fb)
+            fc_ran = "fc" in seen
+            part = self._stages(seen, aux[rows], input_ids[rows], out, aux_in=True)
+            logits = part.pop("logits")
+            for name, value in part.items():   # back to packed rows
+                st.setdefault(name, value.new_empty((T, *value.shape[1:])))[rows] = value
+        st["logits"] = logits   # the last chunk's: one row per request, its last token
         # As the worker after a draft extend: top-1 of the softmax of the last tokens' logits.
         _, draft_ids = fast_topk(renorm_draft_probs(out.next_token_logits, None, False), 1, dim=-1)
         st["draft_ids"] = draft_ids.flatten().clone()
@@ -321,7 +440,7 @@ class LoadedSGLang:
         trace_rows = [{"logits": last, "draft_ids": last, "target_ids": last}]
 
         # Steps >= 1: SGLang's draft DECODE, one query per request (its last token).
-        hidden = out.hidden_states[last]
+        hidden = st["recurrent_hidden"][last]
         prev_target = st["target_ids"]
         last_pos = batch.positions[last].long()
         for k in range(1, steps):
@@ -346,10 +465,11 @@ class LoadedSGLang:
             hidden, prev_target = out.hidden_states, st["target_ids"]
 
         notes = [
-            f"attention backend {ATTENTION_BACKEND}",
+            f"attention backend {self.attention_backend}",
             f"fc ran at step 0: {'yes' if fc_ran else 'no (aux width equals hidden_size)'}",
             "runtime adjustments: " + ", ".join(f"{k} {a}->{b}" for k, (a, b) in self.runtime["adjustments"].items()),
-            f"step 0: EXTEND of {B} requests; steps >= 1: DECODE on each request's last token",
+            f"step 0: EXTEND of {B} requests" + (f" in two chunks (cached prefix {prefix})" if any(prefix) else "")
+            + "; steps >= 1: DECODE on each request's last token",
             "config via sglang get_config; weights via LlamaForCausalLMEagle3.load_weights",
         ]
         return Trace(impl="sglang", dtype=self.dtype, steps=trace_steps, rows=trace_rows, notes=notes)

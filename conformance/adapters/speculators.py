@@ -6,6 +6,7 @@ modules, mapped to the canonical names of conformance/stages.py (`eagle3-semanti
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import ClassVar
 
@@ -13,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from conformance import stages
-from conformance.adapters.base import Trace
+from conformance.adapters.base import Trace, batch_on
 from fixtures.checkpoint import WEIGHTS_FILE
 from reference.eagle3 import DraftBatch, Eagle3Config
 
@@ -24,6 +25,8 @@ VERIFIER_OWNED = ("verifier_lm_head.weight", "verifier_norm.weight")
 # Local variables of speculators' code, not module inputs/outputs: the first layer's residual
 # (model_definitions.py:75-81) and the post-RoPE query (LlamaAttention.forward).
 NOT_OBSERVABLE = frozenset({"residual", "q_rot"})
+
+CPU_ATTENTION = "sdpa"   # see load()
 
 
 class SpeculatorsAdapter:
@@ -36,7 +39,8 @@ class SpeculatorsAdapter:
         # it (fc is A*hidden_size -> hidden_size, core.py:76-78), and that failure is the finding.
         return None
 
-    def load(self, ckpt_dir: Path, dtype: torch.dtype) -> "LoadedSpeculators":
+    def load(self, ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = None,
+             device: str = "cpu") -> "LoadedSpeculators":
         # Imported here: speculators takes seconds to import and only this adapter needs it.
         from speculators.model import SpeculatorModel
         from speculators.models.eagle3 import Eagle3SpeculatorConfig
@@ -46,7 +50,8 @@ class SpeculatorsAdapter:
         config = Eagle3SpeculatorConfig.from_pretrained(ckpt_dir)
         # The default simple_flex_attention needs T % 128 == 0 and is slow on CPU; "sdpa" runs the
         # same TTT mask as a dense boolean mask (core.py:54-60, attention.py extend_dense_...).
-        config.transformer_layer_config._attn_implementation = "sdpa"
+        # On CUDA speculators keeps its own default, the flex attention it trains with.
+        config.transformer_layer_config._attn_implementation = attention_for(device)
         # speculators' own `Eagle3DraftModel.from_pretrained` cannot load this checkpoint: after
         # loading it calls `load_verifier_weights`, whose Eagle3 override runs
         # `AutoConfig.from_pretrained(None)` when the verifier path is null (core.py:174-180) and so
@@ -64,8 +69,13 @@ class SpeculatorsAdapter:
             ignore_mismatched_sizes=True,
         )
         _check_every_tensor_loaded(model, ckpt_dir, info)
-        model = model.to(dtype).eval()   # integer buffers (d2t, t2d) keep their dtype
-        return LoadedSpeculators(model, dtype, info)
+        model = model.to(device=device, dtype=dtype).eval()   # integer buffers (d2t, t2d) keep their dtype
+        return LoadedSpeculators(model, dtype, info, device)
+
+
+def attention_for(device: str) -> str | None:
+    """The attention speculators runs on `device`: sdpa on CPU; None = its default (flex) elsewhere."""
+    return CPU_ATTENTION if torch.device(device).type == "cpu" else None
 
 
 def _check_every_tensor_loaded(model: torch.nn.Module, ckpt_dir: Path, info: dict) -> None:
@@ -91,16 +101,20 @@ def _check_every_tensor_loaded(model: torch.nn.Module, ckpt_dir: Path, info: dic
 
 
 class LoadedSpeculators:
-    def __init__(self, model, dtype: torch.dtype, loading_info: dict):
+    def __init__(self, model, dtype: torch.dtype, loading_info: dict, device: str = "cpu"):
         self.model = model
         self.dtype = dtype
         self.loading_info = loading_info   # transformers' report: missing/unexpected/mismatched keys
+        self.device = device
 
     @torch.no_grad()
-    def run(self, batch: DraftBatch, steps: int = 1) -> Trace:
+    def run(self, batch: DraftBatch, steps: int = 1, record: bool = True) -> Trace:
+        """`record=False`: no stage hooks (a benchmark times the bare forward); the trace then holds
+        only draft_ids and target_ids."""
         m, T = self.model, batch.input_ids.shape[0]
+        batch = batch_on(batch, self.device)
         aux = batch.aux.to(self.dtype)
-        rec = _Recorder(m, T)
+        rec = _Recorder(m, T) if record else contextlib.nullcontext()
         with rec:
             draft_tokens = m(
                 hidden_states=aux[None],
@@ -109,7 +123,7 @@ class LoadedSpeculators:
                 position_ids=batch.positions[None],   # speculators adds 1 per TTT step (core.py:357)
                 ttt_steps=steps,
             )
-        trace = rec.steps
+        trace = rec.steps if record else [{} for _ in draft_tokens]
         trace[0]["aux_in"] = aux
         for step, ids in enumerate(draft_tokens):
             draft = ids.reshape(T)
@@ -118,7 +132,8 @@ class LoadedSpeculators:
             target = draft if m.d2t is None else draft + m.d2t[draft]
             trace[step].update({"draft_ids": draft, "target_ids": target})
         notes = [
-            "speculators Eagle3DraftModel training forward, attention sdpa (dense TTT mask)",
+            f"speculators Eagle3DraftModel training forward, attention {m._attn_impl}"
+            + (" (dense TTT mask)" if m._attn_impl == CPU_ATTENTION else ""),
             f"loading report: {_summary(self.loading_info)}",
         ]
         if steps > 1:
@@ -180,6 +195,11 @@ class _Recorder:
             hooks += [(norm, "post", fc_norm_chunk) for norm in m.fc_norm]
         hooks.append((m.fc, "post", self.out("fc_out", -1)))
 
+        def hidden_fed_back(_m, args):
+            if self.embed_calls > 1:   # steps >= 1: layer 0 reads cat([embeds, fed-back hidden]) (core.py:281)
+                self.put("hidden_in", args[0].chunk(2, dim=-1)[1], -1)
+
+        hooks.append((m.layers[0], "pre", hidden_fed_back))
         for i, layer in enumerate(m.layers):
             p, attn = f"layers.{i}.", layer.self_attn
             if i == 0:   # first layer: input_layernorm on the embeds, hidden_norm on the hidden
