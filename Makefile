@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 REPORT ?= report
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv conformance test clean-venv
+.PHONY: venv conformance test support-matrix clean-venv bench bench-baseline bench-compare
 
 # sglang's and speculators' declared dependency trees are CUDA-only (flashinfer, sgl-kernel, ...),
 # so everything is installed from one fully pinned lock file with --no-deps: exactly these versions,
@@ -24,6 +24,35 @@ conformance: venv
 # The harness self-tests and the CPU conformance lane.
 test: venv
 	$(PYTEST) -m cpu
+
+# Draft throughput (conformance/test_throughput.py). Figures are stored and compared per machine
+# class under $(BENCH_BASELINES)/<class>/ (`python -m conformance.throughput` prints this host's), in
+# units of the memory-roofline time measured in the same run: ratios, not seconds. On a CUDA host
+# select the GPU sweep: make bench-compare BENCH_MARK="benchmark and gpu".
+BENCH_BASELINES ?= benchmarks/baselines
+BENCH_MARK ?= benchmark and not gpu and not meta
+BENCH_SELECT ?=
+BENCH_FAIL ?= median:50%
+BENCH_REPORT ?=
+BENCH_ARGS = -m "$(BENCH_MARK)" $(if $(BENCH_SELECT),-k "$(BENCH_SELECT)") --benchmark-enable \
+	--bench-baselines $(BENCH_BASELINES) --benchmark-columns=median,iqr,min,max,rounds \
+	$(if $(BENCH_REPORT),--report $(BENCH_REPORT))
+
+# Measure and print the table (tokens/s, roofline fraction per adapter); nothing stored.
+bench: venv
+	$(PYTEST) $(BENCH_ARGS)
+
+# Record a new baseline for this machine class (commit the JSON it writes).
+bench-baseline: venv
+	$(PYTEST) $(BENCH_ARGS) --benchmark-save=baseline
+
+# Fail when a figure's median is more than $(BENCH_FAIL) slower than this class's latest baseline.
+bench-compare: venv
+	$(PYTEST) $(BENCH_ARGS) --benchmark-compare --benchmark-compare-fail=$(BENCH_FAIL)
+
+# Refresh the README's support matrix from the known-divergence registry.
+support-matrix: venv
+	$(PY) -m conformance.support_matrix --write-readme
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,22 +1,55 @@
 """pytest wiring: options, the GPU gate, session fixtures, the repro line and the report."""
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, Phase, settings
 
 from conformance.report import Report, versions
+
+
+# Hypothesis profiles: `ci` (the default: derandomized, so every run draws the same examples), `dev`
+# (random, for exploring) and `nightly` (many more examples). Select with --hypothesis-profile NAME.
+# ci does not shrink: a failing example is reported at once (its labelled draws print the config),
+# and the same example is drawn again on every run.
+CI_PHASES = (Phase.explicit, Phase.reuse, Phase.generate)
+_HYPOTHESIS = dict(deadline=None, print_blob=True,
+                   suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=12, derandomize=True, phases=CI_PHASES, **_HYPOTHESIS)
+settings.register_profile("dev", max_examples=25, **_HYPOTHESIS)
+settings.register_profile("nightly", max_examples=400, **_HYPOTHESIS)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("eagle3-conformance")
     group.addoption("--report", metavar="DIR", default=None,
-                    help="write report.json and report.md to DIR (also when tests fail)")
+                    help="write report.json, report.md and stage_error.png to DIR (also when tests fail)")
     group.addoption("--stage-table", action="store_true",
                     help="print the per-stage max abs/rel error table at the end (implied by --report)")
     group.addoption("--require-gpu", action="store_true",
                     help="fail, instead of skipping, gpu tests when CUDA is not available")
+    group.addoption("--draft-checkpoint", metavar="DIR", default=None,
+                    help="your EAGLE-3 draft (speculators, SGLang, legacy SGLang or SpecForge format): step-0 and "
+                         "multi-step conformance and weight accounting run on it too")
+    group.addoption("--training-data", metavar="FILE", default=None,
+                    help="JSONL training samples (input_ids, loss_mask, seq_len, n_prompt_tokens, n_response_tokens, "
+                         "source): the draft's inputs (needs --draft-checkpoint)")
+    group.addoption("--hidden-states", metavar="DIR", default=None,
+                    help="the samples' aux hidden states in speculators' datagen layout (hs_<i>.safetensors); "
+                         "default: a tiny random target for tiny drafts, else seeded random")
+    group.addoption("--target-config", metavar="FILE", default=None,
+                    help="the target model's config.json, for the wiring and embedding checks")
+    group.addoption("--sglang-args", metavar="ARGS", default=None,
+                    help="an SGLang server command line (e.g. \"--speculative-eagle-topk 1 --speculative-num-steps 3 "
+                         "--speculative-num-draft-tokens 4\"): resolved by SGLang's own ServerArgs; the report lists "
+                         "requested vs effective speculative settings, and a setting served differently fails")
+    group.addoption("--bench-baselines", metavar="DIR", default=None,
+                    help="benchmark baselines root: stored and compared under DIR/<machine class>/ "
+                         "(sets --benchmark-storage; see conformance/throughput.py)")
 
 
 def pytest_report_header(config):
@@ -80,4 +113,73 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             tr.write_line("  " + line.strip("| ").replace(" | ", " | "))
     tr.write_line(_REPORT.stage_table_text())
     if config.getoption("--report"):
-        tr.write_line(f"report written to {Path(config.getoption('--report')) / 'report.md'} (and report.json)")
+        tr.write_line(f"report written to {Path(config.getoption('--report')) / 'report.md'} (and report.json, stage_error.png)")
+
+
+# ---------------------------------------------------------------- benchmarks
+
+# Throughput plugin: enables benchmarks when `-m benchmark` selects them, machine info for
+# baselines, and the tokens/s + roofline table (conformance/throughput.py).
+pytest_plugins = ("conformance.throughput",)
+
+
+# ---------------------------------------------------------------- bring your own draft
+
+def pytest_configure(config):
+    """--draft-checkpoint and friends are validated before anything runs: a problem is one line
+    naming the file and the field, and a usage error (exit code 4), not a test failure."""
+    from conformance.user_draft import configure_user_inputs
+
+    configure_user_inputs(config)
+
+
+@pytest.fixture(scope="session")
+def user_draft(request, tmp_path_factory):
+    """A UserDraftStore whose case `user_draft` is --draft-checkpoint (or, without it, a fixture draft)."""
+    from conformance.user_draft import make_user_store
+
+    return make_user_store(request.config, tmp_path_factory.mktemp("user_draft"))
+
+
+@pytest.fixture(scope="session")
+def target_config(request) -> dict | None:
+    """--target-config, parsed (model_type, architectures, hidden_size, num_hidden_layers, vocab_size), or None."""
+    from conformance.user_draft import TARGET_KEY
+
+    return request.config.stash.get(TARGET_KEY, None)
+
+
+# ---------------------------------------------------------------- target-side wiring
+
+@pytest.fixture(scope="session")
+def wiring(tmp_path_factory):
+    """A WiringStore: tiny targets (transformers and SGLang, same weights) and draft configs, built once."""
+    from conformance.wiring import WiringStore
+
+    return WiringStore(tmp_path_factory.mktemp("wiring"))
+
+
+# ---------------------------------------------------------------- training accuracy vs accept length
+
+@pytest.fixture(scope="session")
+def trained_draft():
+    """The tiny draft trained with speculators' training code (fixtures/trained_draft.py), cached."""
+    from fixtures.trained_draft import trained_draft as build
+
+    return build()
+
+
+@pytest.fixture(scope="session")
+def acceptance(trained_draft, tmp_path_factory):
+    """Its predicted accept length, the simulation requests and each implementation's runs, once."""
+    from conformance.acceptance import AcceptanceStore
+
+    return AcceptanceStore(trained_draft, tmp_path_factory.mktemp("acceptance"))
+
+
+@pytest.fixture(scope="session")
+def sglang_args(request) -> str:
+    """--sglang-args, or the chain settings the trained draft conforms to."""
+    from conformance.sglang_settings import DEFAULT_SGLANG_ARGS
+
+    return request.config.getoption("--sglang-args") or DEFAULT_SGLANG_ARGS

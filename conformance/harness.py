@@ -13,7 +13,7 @@ import torch
 
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import Trace
-from conformance.compare import compare_traces
+from conformance.compare import Comparison, compare_traces
 from conformance.known_divergences import LOAD, known_divergence
 from conformance.tolerances import DTYPES
 from fixtures.cases import DraftCase
@@ -27,8 +27,9 @@ class LoadFailed(Exception):
 
 
 class DraftStore:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, device: str = "cpu"):
         self.root = root
+        self.device = device   # where drafts run ("cuda" in the gpu lane); traces come back on the CPU
         self._checkpoints: dict[str, dict[str, Path]] = {}
         self._traces: dict[tuple, Trace | LoadFailed] = {}
 
@@ -51,13 +52,13 @@ class DraftStore:
             adapter = ADAPTERS[impl]()
             ckpt = self.checkpoint(case)[adapter.checkpoint_format]
             try:
-                loaded = adapter.load(ckpt, dtype, dict(case.sglang_args))
+                loaded = adapter.load(ckpt, dtype, dict(case.sglang_args), device=self.device)
             except Exception as exc:  # the implementation's loader: keep its own words, on one line
                 first_line = (str(exc).strip().splitlines() or [""])[0].replace(str(self.root) + "/", "")
                 where = ckpt.relative_to(self.root)   # no session temp path: reports stay identical run to run
                 self._traces[key] = LoadFailed(f"{impl} could not load {where}: {type(exc).__name__}: {first_line}")
             else:
-                self._traces[key] = loaded.run(self.batch(case, steps, teacher_forced), steps)
+                self._traces[key] = loaded.run(self.batch(case, steps, teacher_forced), steps).on_cpu()
         result = self._traces[key]
         if isinstance(result, LoadFailed):
             raise result
@@ -81,25 +82,31 @@ def conformance_params(impls, dtype_names, cases, extra_id: str = ""):
                 yield pytest.param(impl, dtype_name, case, id=ids, marks=marks)
 
 
+def compare_with_reference(drafts: DraftStore, impl: str, case: DraftCase, dtype_name: str, steps: int = 1,
+                           teacher_forced: bool = True) -> Comparison:
+    """`impl` against the reference in the same dtype (fp64 reference for the noise floor); raises LoadFailed."""
+    dtype = DTYPES[dtype_name]
+    actual = drafts.trace(impl, case, dtype, steps, teacher_forced)
+    expected = drafts.trace("reference", case, dtype, steps, teacher_forced)
+    precise = drafts.trace("reference", case, torch.float64, steps, teacher_forced)
+    return compare_traces(actual, expected, ADAPTERS[impl].claimed_stages, case.config.num_hidden_layers,
+                          case.id, precise=precise)
+
+
 def assert_conforms(drafts: DraftStore, report, impl: str, case: DraftCase, dtype_name: str, nodeid: str,
                     repro: str, steps: int = 1, teacher_forced: bool = True) -> None:
-    """Run `impl` and the reference on the case, compare every step and stage, record, and fail with
-    the full message; a registered divergence hit exactly raises KnownDivergenceHit."""
+    """Compare every step and stage, record, and fail with the full message; a registered divergence
+    hit exactly (same step and stage) raises KnownDivergenceHit instead."""
     __tracebackhide__ = True
-    dtype = DTYPES[dtype_name]
     known = known_divergence(impl, case)
-    label = f"{impl} vs reference [{case.id}, {dtype_name}]"
     try:
-        actual = drafts.trace(impl, case, dtype, steps, teacher_forced)
+        comparison = compare_with_reference(drafts, impl, case, dtype_name, steps, teacher_forced)
     except LoadFailed as exc:
         hit = known is not None and known.stage == LOAD
         report.add_load_failure(impl, case.id, dtype_name, nodeid, "known divergence" if hit else "FAIL", str(exc))
         error = KnownDivergenceHit if hit else AssertionError
-        raise error(f"{label}: first divergence at step 0, stage 'load'\n  {exc}\n  repro: {repro}") from None
-    expected = drafts.trace("reference", case, dtype, steps, teacher_forced)
-    precise = drafts.trace("reference", case, torch.float64, steps, teacher_forced)
-    comparison = compare_traces(actual, expected, ADAPTERS[impl].claimed_stages, case.config.num_hidden_layers,
-                                case.id, precise=precise)
+        raise error(f"{impl} vs reference [{case.id}, {dtype_name}]: first divergence at step 0, stage 'load'\n"
+                    f"  {exc}\n  repro: {repro}") from None
     first = comparison.first_divergence
     hit = known is not None and first is not None and (first.step, first.stage) == (known.step, known.stage)
     outcome = "pass" if first is None else ("known divergence" if hit else "FAIL")

@@ -1,95 +1,119 @@
-"""Known divergences of the implementations under test from training semantics.
+"""The registry of known divergences (known_divergences.toml) and how a case is matched against it.
 
-Each entry is demonstrated by a failing comparison in this suite (the test that hits it is a strict
-xfail that only counts when the first divergent stage is the one named here; a divergence elsewhere,
-or none at all, fails the test). Citations are file:line in the pinned packages.
+An entry holds for an implementation when the installed version is in its `versions` range and its
+`when` condition is true of the case's draft knobs and SGLang server flags. The condition language is
+a small, safe subset of Python expressions (names, constants, comparisons, and/or/not, + - *),
+checked when the file is read.
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
+import tomllib
 from dataclasses import dataclass
-from typing import Callable
+from functools import cache
+from importlib import metadata
+from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
 
 from conformance.stages import stage_names
 from fixtures.cases import DraftCase
+from reference.eagle3 import Eagle3Config
 
+REGISTRY_FILE = Path(__file__).with_name("known_divergences.toml")
 LOAD = "load"   # the stage name for "the implementation's own loader refused the checkpoint"
+PACKAGES = {"sglang": "sglang", "speculators": "speculators"}   # adapter -> the package its version comes from
+SERVER_FLAGS = ("speculative_draft_window_size",)               # server flags a condition may name
+FIELDS = ("id", "impl", "versions", "when", "step", "stage", "reason")
+ALLOWED_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.BinOp, ast.Add,
+                 ast.Sub, ast.Mult, ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE,
+                 ast.Name, ast.Load, ast.Constant)
+KNOBS = frozenset(f.name for f in dataclasses.fields(Eagle3Config)) | frozenset(SERVER_FLAGS)
+
+
+class RegistryError(ValueError):
+    """A malformed registry entry; the message names the file, the entry and the field."""
 
 
 @dataclass(frozen=True)
 class KnownDivergence:
-    impl: str                                 # adapter name
-    condition: str                            # the knob values (and server flags) it needs, readable
-    applies: Callable[[DraftCase], bool]      # the same condition, evaluated on a case
-    stage: str                                # first divergent stage (layers.i. prefix included)
-    reason: str                               # why, with file:line
-    step: int = 0                             # the draft step where it first shows
+    id: str
+    impl: str              # adapter name
+    versions: str          # PEP 440 specifier for the implementation's package
+    when: str              # condition over knobs and server flags
+    step: int              # the draft step where it first shows
+    stage: str             # first divergent stage, or "load"
+    reason: str            # why, with file:line
 
     def describe(self) -> str:
-        return f"{self.impl} when {self.condition}: first divergence at step {self.step}, '{self.stage}'. {self.reason}"
+        return f"{self.impl} when {self.when}: first divergence at step {self.step}, '{self.stage}'. {self.reason}"
+
+    def condition_holds(self, case: DraftCase) -> bool:
+        names = {**dataclasses.asdict(case.config), **{flag: None for flag in SERVER_FLAGS}, **dict(case.sglang_args)}
+        return bool(eval(_compiled(self.when), {"__builtins__": {}}, names))  # validated: see _compiled
+
+    def version_holds(self) -> bool:
+        return installed_version(self.impl) in SpecifierSet(self.versions)
+
+    def applies(self, case: DraftCase) -> bool:
+        return self.version_holds() and self.condition_holds(case)
 
 
-KNOWN_DIVERGENCES: tuple[KnownDivergence, ...] = (
-    KnownDivergence(
-        "sglang", "num_aux_hidden_states * target_hidden_size == hidden_size",
-        lambda c: c.config.num_aux_hidden_states * c.config.target_hidden_size == c.config.hidden_size, "fc_out",
-        "SGLang applies input_norm/fc_norm/fc only when the aux width differs from the embedding width "
-        "(sglang/srt/models/llama_eagle3.py:238); training always applies fc (speculators core.py:244)."),
-    KnownDivergence(
-        "sglang", "norm_before_residual is true",
-        lambda c: c.config.norm_before_residual, "layers.0.residual",
-        "SGLang always adds the attention output to the raw hidden (llama_eagle3.py:97-99); "
-        "speculators uses the normed hidden (model_definitions.py:80-81)."),
-    KnownDivergence(
-        "sglang", "attention_bias is true",
-        lambda c: c.config.attention_bias, "layers.0.q",
-        "SGLang's layer-0 qkv_proj is built with bias=False (llama_eagle3.py:67-75) and load_weights skips "
-        "the q/k/v bias tensors silently (llama_eagle3.py:371-378)."),
-    KnownDivergence(
-        "sglang", "mlp_bias is true",
-        lambda c: c.config.mlp_bias, "layers.0.mlp_out",
-        "SGLang's LlamaMLP is built with bias=False (llama_eagle3.py:82-84, llama.py:85-120) and load_weights "
-        "skips the gate/up/down bias tensors silently (llama_eagle3.py:371-378)."),
-    KnownDivergence(
-        "sglang", "sliding_window is set (and sequences are longer than the window)",
-        lambda c: c.config.sliding_window is not None and not dict(c.sglang_args).get("speculative_draft_window_size"),
-        "layers.0.attn_core",
-        "SGLang's draft never reads the config's sliding_window/layer_types; only the server flag "
-        "--speculative-draft-window-size sets a window (llama_eagle3.py:286-299), so it attends to the whole prefix."),
-    KnownDivergence(
-        "sglang", "sliding_window W and --speculative-draft-window-size W",
-        lambda c: c.config.sliding_window is not None
-        and dict(c.sglang_args).get("speculative_draft_window_size") == c.config.sliding_window,
-        "layers.0.attn_core",
-        "SGLang's window is exclusive: a query sees keys k_pos >= q_pos - W, W + 1 of them "
-        "(layers/attention/torch_native_backend.py:48), and LlamaForCausalLMEagle3 passes the flag without the "
-        "-1 other models apply (llama_eagle3.py:297-299; gpt_oss.py:129-132); training sees W keys including "
-        "itself (speculators models/eagle3/attention.py:16-20)."),
-    KnownDivergence(
-        "sglang", "sliding_window W and --speculative-draft-window-size W - 1",
-        lambda c: c.config.sliding_window is not None
-        and dict(c.sglang_args).get("speculative_draft_window_size") == c.config.sliding_window - 1,
-        "layers.0.attn_core",
-        "In serving the window slides with the drafted chain: the DECODE query of step k at position s+k "
-        "sees keys from s+k-W+1 on (torch_native_backend.py:48), losing k target-feature keys; training keeps "
-        "the step-0 window of W keys at every TTT step plus the diagonal (speculators attention.py:11-34).",
-        step=1),
-    KnownDivergence(
-        "sglang", "num_hidden_layers > 1",
-        lambda c: c.config.num_hidden_layers > 1, "layers.1.hidden_norm",
-        "SGLang normalises layers >= 1 with hidden_norm (llama_eagle3.py:103-105), which no checkpoint "
-        "has for those layers (weight stays ones); training uses input_layernorm (stock HF layer, core.py:91-93)."),
-    KnownDivergence(
-        "speculators", "target_hidden_size != hidden_size",
-        lambda c: c.config.target_hidden_size != c.config.hidden_size, LOAD,
-        "speculators builds fc as Linear(A*hidden_size, hidden_size) and ignores target_hidden_size "
-        "(speculators/models/eagle3/core.py:76-78), so a draft whose aux width differs cannot be loaded."),
-)
+@cache
+def _compiled(condition: str):
+    tree = ast.parse(condition, mode="eval")
+    for node in ast.walk(tree):
+        if not isinstance(node, ALLOWED_NODES):
+            raise RegistryError(f"condition {condition!r}: {type(node).__name__} is not allowed")
+        if isinstance(node, ast.Name) and node.id not in KNOBS and node.id != "None":
+            raise RegistryError(f"condition {condition!r}: unknown knob {node.id!r}")
+    return compile(tree, "<known_divergences.toml>", "eval")
 
 
-def known_divergence(impl: str, case: DraftCase) -> KnownDivergence | None:
+@cache
+def installed_version(impl: str) -> str:
+    return metadata.version(PACKAGES[impl])
+
+
+def load_registry(path: Path = REGISTRY_FILE) -> tuple[KnownDivergence, ...]:
+    """Read and validate the registry; a problem raises RegistryError naming the file, entry and field."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise RegistryError(f"{path.name}: not valid TOML: {exc}") from None
+    entries = []
+    for n, item in enumerate(raw.get("divergence", []), 1):
+        where = f"{path.name}: divergence #{n} ({item.get('id', 'no id')})"
+        missing = [f for f in FIELDS if f not in item]
+        extra = sorted(set(item) - set(FIELDS))
+        if missing or extra:
+            raise RegistryError(f"{where}: missing fields {missing}, unknown fields {extra}")
+        if item["impl"] not in PACKAGES:
+            raise RegistryError(f"{where}: impl {item['impl']!r} is not one of {sorted(PACKAGES)}")
+        try:
+            SpecifierSet(item["versions"])
+            _compiled(item["when"])
+        except Exception as exc:
+            raise RegistryError(f"{where}: {exc}") from None
+        base = item["stage"].rsplit(".", 1)[-1]
+        if item["stage"] != LOAD and item["stage"] not in stage_names(4):
+            raise RegistryError(f"{where}: stage {item['stage']!r} ({base}) is not a canonical stage")
+        entries.append(KnownDivergence(**{f: item[f] for f in FIELDS}))
+    ids = [e.id for e in entries]
+    if len(ids) != len(set(ids)):
+        raise RegistryError(f"{path.name}: duplicate ids {sorted({i for i in ids if ids.count(i) > 1})}")
+    return tuple(entries)
+
+
+KNOWN_DIVERGENCES: tuple[KnownDivergence, ...] = load_registry()
+
+
+def known_divergence(impl: str, case: DraftCase,
+                     registry: tuple[KnownDivergence, ...] = KNOWN_DIVERGENCES) -> KnownDivergence | None:
     """The entry that decides this (implementation, case) pair: the earliest step and stage wins."""
-    hits = [d for d in KNOWN_DIVERGENCES if d.impl == impl and d.applies(case)]
+    hits = [d for d in registry if d.impl == impl and d.applies(case)]
     if not hits:
         return None
     order = {LOAD: -1, **{name: i for i, name in enumerate(stage_names(case.config.num_hidden_layers))}}
-    return min(hits, key=lambda d: (d.step, order[d.stage]))
+    return min(hits, key=lambda d: (d.step, order.get(d.stage, len(order))))

@@ -14,10 +14,12 @@ from importlib import metadata
 from pathlib import Path
 
 from conformance.compare import ABSENT, Comparison
-from conformance.stages import stage_names
+from conformance.stages import stage_kind, stage_names
 from conformance.tolerances import dtype_name
 
 PACKAGES = ("torch", "sglang", "speculators", "transformers", "safetensors", "hypothesis", "pytest")
+CHART_FILE = "stage_error.png"
+CHART_FLOOR = 1e-12   # exact stages are drawn here on the log scale
 
 
 def versions() -> dict[str, str]:
@@ -138,6 +140,24 @@ class Report:
             lines.append(f"| {e.outcome} | {e.impl} vs reference | {e.case_id} | {e.dtype} | {where}{err} | {e.note} |")
         return lines
 
+    def support_matrix(self) -> list[dict]:
+        """Per case, per implementation: what the tests found (all dtypes and modes together)."""
+        cells: dict[str, dict[str, str]] = {}
+        for e in self.sorted_entries():
+            row = cells.setdefault(e.case_id, {})
+            if e.outcome == "FAIL":
+                verdict = "UNEXPECTED FAILURE"
+            elif e.outcome == "known divergence":
+                f = None if e.comparison is None else e.comparison.first_divergence
+                verdict = "diverges: load" if f is None else f"diverges: step {f.step} `{f.stage}`"
+            else:
+                verdict = "safe"
+            if _severity(verdict) > _severity(row.get(e.impl)):   # the worst outcome over dtypes and modes
+                row[e.impl] = verdict
+        impls = sorted({e.impl for e in self.entries})
+        columns = {impl: f"{impl} {versions().get(impl, '?')}" for impl in impls}
+        return [{"case": case, **{columns[i]: row.get(i, "not run") for i in impls}} for case, row in cells.items()]
+
     def to_markdown(self) -> str:
         v = versions()
         n = len(self.entries)
@@ -152,7 +172,8 @@ class Report:
             md += ["| outcome | pair | case | dtype | first divergent stage | reason |", "|---|---|---|---|---|---|", *first]
         else:
             md.append("None: every implementation matched the reference at every compared stage.")
-        md += ["", "## Per step and stage, max error over all cases (known divergences excluded)", ""]
+        md += ["", "## Per step and stage, max error over all cases (known divergences excluded)", "",
+               f"![per-stage error per implementation]({CHART_FILE})", ""]
         for (pair, dtype), table in self.stage_summary().items():
             md += [f"### {pair}, {dtype}", "", "| step | stage | max abs | max rel | cases diverged |", "|---|---|---|---|---|"]
             for (step, stage), (a, m, cnt) in table.items():
@@ -171,6 +192,50 @@ class Report:
         directory.mkdir(parents=True, exist_ok=True)
         _atomic_write(directory / "report.json", json.dumps(self.to_json(), indent=1) + "\n")
         _atomic_write(directory / "report.md", self.to_markdown())
+        self.write_chart(directory / CHART_FILE)
+
+    def write_chart(self, path: Path) -> None:
+        """A PNG of max abs error per stage (log scale), one line per implementation pair and dtype;
+        steps side by side, a red cross where a stage diverged. Deterministic: no metadata."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.figure import Figure
+
+        # Id stages count mismatches, not errors: they stay in the tables, not on this axis.
+        summary = {pair: {k: v for k, v in table.items() if stage_kind(k[1]) != "ids"}
+                   for pair, table in self.stage_summary().items()}
+        keys = {key for table in summary.values() for key in table}               # (step, stage)
+        layers = 1 + max((int(stage.split(".")[1]) for _, stage in keys if stage.startswith("layers.")), default=0)
+        rank = {name: i for i, name in enumerate(stage_names(layers))}
+        points = sorted(keys, key=lambda k: (k[0], rank[k[1]]))                   # forward order, step by step
+        fig = Figure(figsize=(max(8.0, 0.22 * len(points)), 5.0), dpi=100)
+        ax = fig.add_subplot()
+        x = {key: i for i, key in enumerate(points)}
+        for (pair, dtype), table in summary.items():
+            xs = [x[k] for k, (a, _, _) in table.items() if a is not None]
+            ys = [max(a, CHART_FLOOR) for a, _, _ in table.values() if a is not None]
+            ax.plot(xs, ys, marker=".", linewidth=1, label=f"{pair}, {dtype}")
+            bad = [(x[k], max(a or CHART_FLOOR, CHART_FLOOR)) for k, (a, _, n) in table.items() if n]
+            if bad:
+                ax.scatter(*zip(*bad), marker="x", color="red", zorder=3)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"max abs error vs reference (floor {CHART_FLOOR:g})")
+        ax.set_xticks(range(len(points)), [f"{step}:{stage}" for step, stage in points], rotation=90, fontsize=6)
+        ax.set_title("EAGLE-3 conformance: per-stage error (step:stage; red x = diverged)")
+        if summary:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", metadata={"Software": None})
+        os.replace(tmp, path)
+
+
+def _severity(verdict: str | None) -> int:
+    if verdict is None:
+        return -1
+    return 0 if verdict == "safe" else 2 if verdict.startswith("UNEXPECTED") else 1
 
 
 def _cell(value) -> str:

@@ -30,7 +30,12 @@ LAYER = (
 )
 POST = ("final_norm", "recurrent_hidden", "logits", "draft_ids", "target_ids")
 
-ID_STAGES = frozenset({"input_ids", "draft_ids", "target_ids"})
+# Tree drafting (topk > 1; conformance/test_tree.py): per step, the children its rows propose and
+# which of them are expanded; after the last step, the tree handed to verification.
+TREE = ("candidate_ids", "candidate_scores", "selected")
+TREE_FINAL = ("tree_tokens", "tree_index", "tree_parents")
+
+ID_STAGES = frozenset({"input_ids", "draft_ids", "target_ids", "candidate_ids", "selected", *TREE_FINAL})
 
 
 def stage_names(num_layers: int) -> tuple[str, ...]:

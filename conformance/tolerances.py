@@ -53,3 +53,24 @@ def tol_for(kind: str, dtype: torch.dtype) -> Tol:
         return TOLERANCES[(kind, dtype)]
     except KeyError:
         raise KeyError(f"no tolerance for stage kind {kind!r} in {dtype}; add it to conformance/tolerances.py") from None
+
+
+# ---------------------------------------------------------------- accept length (conformance/acceptance.py)
+# The simulated accept length is the mean over R verify rounds whose start rows are drawn uniformly
+# (seeded, with replacement) from the held-out rows that the prediction 1 + sum_k full_acc_k averages
+# over. A faithfully served draft accepts at each row exactly what speculators' training forward
+# scored there (the data are the target's greedy tokens, so teacher forcing feeds the chain the
+# tokens it would draft itself while it is right), so the only difference is which rows were drawn:
+# by the CLT, |simulated - predicted| <= z * s / sqrt(R), s the sample standard deviation of the R
+# accept lengths (each in [1, K + 1]), with probability 1 - 2*Phi(-z). z = 4: 6e-5 per comparison,
+# about 1e-3 over the 15 of a run (3 implementations x K = 1..5); the draws are seeded, so z bounds
+# how unlucky a seed can be. Left out by assumption (rows are alike wherever they sit): full_acc_k
+# does not score the last k rows of a sequence, and it scores row 0, whose input is a prompt token
+# (no server round starts there): at most 5 of 65 rows per held-out sequence. A planted fault's drop
+# counts when it exceeds the same bound on the per-round differences (the same rounds, paired).
+ACCEPT_LENGTH_Z = 4.0
+
+
+def accept_length_tolerance(std: float, rounds: int) -> float:
+    """z * s / sqrt(R): the sampling error allowed between a mean of R rounds and the prediction."""
+    return ACCEPT_LENGTH_Z * std / rounds ** 0.5

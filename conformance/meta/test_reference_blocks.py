@@ -13,18 +13,11 @@ from transformers import LlamaConfig
 from transformers.models.llama import modeling_llama as hf
 
 from conformance.compare import compare_tensors
-from fixtures.tiny import make_config, with_changes
+from fixtures.tiny import ROPE_SCALINGS, make_config, with_changes
 from reference import eagle3 as ref
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 F32 = torch.float32
-ROPES = {
-    "default": None,
-    "linear": {"rope_type": "linear", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-}
 
 
 def hf_config(cfg: ref.Eagle3Config) -> LlamaConfig:
@@ -42,6 +35,11 @@ def assert_same(name: str, actual: torch.Tensor, expected: torch.Tensor):
     __tracebackhide__ = True
     r = compare_tensors(0, name, actual, expected, F32)
     assert not r.failed, f"reference {name} differs from transformers: max abs {r.max_abs:.3e} at {r.abs_index} {r.detail}"
+
+
+def causal_mask(T: int) -> torch.Tensor:
+    """HF's additive causal mask, [1, 1, T, T]."""
+    return torch.full((T, T), float("-inf"), dtype=F32).triu(1)[None, None]
 
 
 def random_module(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -72,9 +70,9 @@ def test_mlp_matches_llama_mlp(mlp_bias):
     assert_same("mlp", ref.mlp(x, w, "mlp"), mlp(x))
 
 
-@pytest.mark.parametrize("rope", list(ROPES), ids=list(ROPES))
+@pytest.mark.parametrize("rope", list(ROPE_SCALINGS))
 def test_rotary_matches_llama_rotary_embedding(rope):
-    cfg = make_config(rope_scaling=ROPES[rope])
+    cfg = make_config(rope_scaling=ROPE_SCALINGS[rope])
     rotary = hf.LlamaRotaryEmbedding(hf_config(cfg))
     positions = torch.tensor([0, 1, 2, 5, 17, 40, 63])   # small: HF's fp32 angles stay within fp32 tolerance
     x = torch.zeros(1, positions.numel(), cfg.hidden_size, dtype=F32)
@@ -97,8 +95,7 @@ def test_attention_matches_llama_attention(attention_bias, kv_heads):
     x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(7), dtype=F32)
     positions = torch.arange(T)
     cos, sin = ref.rope_cos_sin(cfg, positions, F32)
-    causal = torch.full((T, T), float("-inf"), dtype=F32).triu(1)
-    expected, _ = attn(x[None], position_embeddings=(cos[None], sin[None]), attention_mask=causal[None, None])
+    expected, _ = attn(x[None], position_embeddings=(cos[None], sin[None]), attention_mask=causal_mask(T))
 
     q = ref.linear(x, w, "self_attn.q_proj").view(T, cfg.num_attention_heads, cfg.head_dim)
     k = ref.linear(x, w, "self_attn.k_proj").view(T, kv_heads, cfg.head_dim)
@@ -117,8 +114,7 @@ def test_decoder_layer_matches_llama_decoder_layer():
     h = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(9), dtype=F32)
     positions = torch.arange(T)
     cos, sin = ref.rope_cos_sin(cfg, positions, F32)
-    causal = torch.full((T, T), float("-inf"), dtype=F32).triu(1)
-    expected = layer(h[None], attention_mask=causal[None, None], position_embeddings=(cos[None], sin[None]))
+    expected = layer(h[None], attention_mask=causal_mask(T), position_embeddings=(cos[None], sin[None]))
     expected = expected[0] if isinstance(expected, tuple) else expected
 
     model = ref.Eagle3Reference(cfg, w, F32)

@@ -1,0 +1,89 @@
+"""SGLang's effective speculative settings for the trained tiny draft: requested vs effective.
+
+`--sglang-args "..."` (default: conformance.sglang_settings.DEFAULT_SGLANG_ARGS) is parsed and
+resolved by SGLang's own ServerArgs on CPU; the test fails on any setting SGLang serves differently
+from what was asked for or trained (eagle3-semantics.md §5). The seed's command line, whose 16
+draft tokens run as 2, must make that test fail with that message.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.sglang_settings import CommandLineError, MISMATCH, draft_facts, effective_settings
+from fixtures.trained_draft import CACHE_ENV
+
+SEED_ARGS = "--speculative-eagle-topk 1 --speculative-num-steps 1 --speculative-num-draft-tokens 16"
+MORE_STEPS_THAN_TRAINED = "--speculative-eagle-topk 1 --speculative-num-steps 7 --speculative-num-draft-tokens 8"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _settings(trained, command_line: str):
+    facts = draft_facts(trained.checkpoints["speculators"], trained.checkpoints["sglang"], trained.target_dir,
+                        trained.config)
+    try:
+        return effective_settings(command_line, trained.target_dir, trained.checkpoints["sglang"], facts)
+    except CommandLineError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def _record(report, section: str, settings) -> None:
+    for row in settings.rows():
+        report.add_row(section, row)
+
+
+@pytest.mark.cpu
+def test_sglang_effective_settings_match_requested(trained_draft, sglang_args, report, repro):
+    settings = _settings(trained_draft, sglang_args)
+    _record(report, "sglang effective settings", settings)
+    lines = [f.line() for f in settings.mismatches]
+    assert not lines, (f"sglang vs requested [trained_draft, --sglang-args {sglang_args!r}]: "
+                       f"{len(lines)} setting(s) served differently\n  " + "\n  ".join(lines)
+                       + f"\n  repro: {repro} --sglang-args {shlex.quote(sglang_args)}")
+
+
+@pytest.mark.cpu
+def test_seed_command_line_is_flagged(trained_draft, report):
+    """The seed's flags: topk 1 and 1 step with 16 draft tokens resolve to 2 draft tokens."""
+    settings = _settings(trained_draft, SEED_ARGS)
+    _record(report, "sglang effective settings: the seed's command line", settings)
+    flagged = {f.setting: f for f in settings.mismatches}
+    tokens = flagged.get("speculative_num_draft_tokens")
+    assert tokens is not None and (tokens.requested, tokens.effective) == (16, 2), (
+        f"sglang [{SEED_ARGS}]: expected num_draft_tokens 16 -> 2 to be flagged, got "
+        f"{[f.line() for f in settings.findings]}")
+
+
+@pytest.mark.cpu
+def test_more_steps_than_trained_are_flagged(trained_draft, report):
+    settings = _settings(trained_draft, MORE_STEPS_THAN_TRAINED)
+    _record(report, "sglang effective settings: more steps than trained", settings)
+    steps = [f for f in settings.mismatches if f.setting == "speculative_num_steps"]
+    assert steps and steps[0].effective > trained_draft.trained_steps, (
+        f"sglang [{MORE_STEPS_THAN_TRAINED}]: 7 steps for a draft trained for {trained_draft.trained_steps} "
+        f"TTT steps not flagged: {[f.line() for f in settings.findings]}")
+
+
+@pytest.mark.cpu
+@pytest.mark.meta
+def test_seed_command_line_fails_the_settings_test(trained_draft, tmp_path):
+    """pytest run as a user would, with the seed's --sglang-args: the settings test fails (exit code
+    1) naming the effective draft tokens, and the report states them."""
+    node = "conformance/test_sglang_settings.py::test_sglang_effective_settings_match_requested"
+    env = {**os.environ, CACHE_ENV: str(trained_draft.root.parent)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", node, "-q", "--sglang-args", SEED_ARGS,
+         "--report", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    expected = "speculative_num_draft_tokens: requested 16, effective 2"
+    assert done.returncode == 1 and expected in out, (
+        f"pytest --sglang-args {SEED_ARGS!r}: exit code {done.returncode} (want 1), "
+        f"{'with' if expected in out else 'without'} {expected!r}\n{out[-3000:]}")
+    rows = [line for line in (tmp_path / "report.md").read_text().splitlines()
+            if "| speculative_num_draft_tokens |" in line]
+    assert rows and "| 16 | 2 | " + MISMATCH in rows[0], f"report.md does not state 16 -> 2: {rows}"
