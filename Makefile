@@ -35,8 +35,8 @@ BENCH_SELECT ?=
 BENCH_FAIL ?= median:50%
 BENCH_REPORT ?=
 BENCH_ARGS = -m "$(BENCH_MARK)" $(if $(BENCH_SELECT),-k "$(BENCH_SELECT)") --benchmark-enable \
-	--bench-baselines $(BENCH_BASELINES) --benchmark-columns=median,iqr,min,max,rounds \
-	$(if $(BENCH_REPORT),--report $(BENCH_REPORT))
+	--bench-baselines=$(BENCH_BASELINES) --benchmark-columns=median,iqr,min,max,rounds \
+	$(if $(BENCH_REPORT),--report=$(BENCH_REPORT))
 
 # Measure and print the table (tokens/s, roofline fraction per adapter); nothing stored.
 bench: venv

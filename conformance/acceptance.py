@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -24,7 +24,7 @@ from conformance.compare import Comparison, compare_traces
 from fixtures.checkpoint import WEIGHTS_FILE
 from fixtures.trained_draft import GreedyTarget, TrainedDraft, collate, loss_config, speculators_items
 from reference.eagle3 import DraftBatch
-from reference.speculative import AcceptStats, accepted_drafts
+from reference.speculative import AcceptStats, accepted_drafts, predicted_accept_length
 
 K_MAX = 5                   # draft steps simulated (every K <= K_MAX comes from the same rounds)
 REQUESTS_PER_SEQUENCE = 8   # verify rounds drawn per held-out sequence (64 sequences: 512 rounds)
@@ -44,8 +44,6 @@ class Prediction:
     starts: int               # held-out starts scored at step 0
 
     def accept_length(self, K: int) -> float:
-        from reference.speculative import predicted_accept_length
-
         return predicted_accept_length(self.full_acc, K)
 
 
@@ -102,10 +100,30 @@ def right_padded(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.cat([r, r.new_zeros(T - len(r))]) for r in rows])
 
 
+def draft_and_verify(drafter: Drafter, target: GreedyTarget, prompts: list[torch.Tensor],
+                     aux_ids: tuple[int, ...], K: int):
+    """One greedy verify round for each prompt: the target's prefill gives the pending token (its
+    argmax) and the draft's input (its aux states), the draft proposes K tokens, the target checks
+    them. -> (contexts x_0..x_p with the pending token, drafts [n, K], accepted drafts [n])."""
+    argmax, aux, _ = target.run(right_padded(prompts), aux_ids)
+    n = [len(p) for p in prompts]
+    pending = torch.stack([argmax[j, n[j] - 1] for j in range(len(prompts))])
+    contexts = [torch.cat([p, pending[j:j + 1]]) for j, p in enumerate(prompts)]
+    # Draft rows t = 0..p-1: (aux g_t, token x_{t+1}); the last row holds the pending token.
+    batch = DraftBatch(aux=torch.cat([aux[j, :n[j]] for j in range(len(prompts))]),
+                       input_ids=torch.cat([c[1:] for c in contexts]),
+                       positions=torch.cat([torch.arange(m) for m in n]),
+                       seq_ids=torch.cat([torch.full((m,), j) for j, m in enumerate(n)]))
+    drafts = drafter(batch, contexts, K)
+    argmax, _, _ = target.run(right_padded([torch.cat([c, drafts[j]]) for j, c in enumerate(contexts)]), aux_ids)
+    # The target's choice after the pending token (position p) and after each draft.
+    choice = torch.stack([argmax[j, m:m + K] for j, m in enumerate(n)])
+    return contexts, drafts, accepted_drafts(drafts, choice)
+
+
 def simulate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, requests: list[Request],
              K: int = K_MAX, aux_layer_ids: tuple[int, ...] | None = None) -> AcceptStats:
-    """One greedy verify round per request: prefill (the target's argmax is the pending token and its
-    aux states the draft's input), K drafted tokens, verification against the target's argmax.
+    """One greedy verify round per request (prompt: a held-out prefix of the request's length).
 
     `aux_layer_ids`: what the serving side captures (default: what the draft was trained on).
     """
@@ -113,25 +131,29 @@ def simulate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, requ
     ids = trained.heldout_ids
     accepted = []
     for i in range(0, len(requests), CHUNK):
-        chunk = requests[i:i + CHUNK]
-        prompts = [ids[r.seq, :r.prompt_len] for r in chunk]
-        argmax, aux, _ = target.run(right_padded(prompts), aux_ids)
-        pending = torch.stack([argmax[j, r.prompt_len - 1] for j, r in enumerate(chunk)])
-        # Draft rows t = 0..p-1: (aux g_t, token x_{t+1}); the last row holds the pending token.
-        batch = DraftBatch(
-            aux=torch.cat([aux[j, :r.prompt_len] for j, r in enumerate(chunk)]),
-            input_ids=torch.cat([torch.cat([p[1:], pending[j:j + 1]]) for j, p in enumerate(prompts)]),
-            positions=torch.cat([torch.arange(r.prompt_len) for r in chunk]),
-            seq_ids=torch.cat([torch.full((r.prompt_len,), j) for j, r in enumerate(chunk)]),
-        )
-        contexts = [torch.cat([p, pending[j:j + 1]]) for j, p in enumerate(prompts)]
-        drafts = drafter(batch, contexts, K)
-        verify = [torch.cat([c, drafts[j]]) for j, c in enumerate(contexts)]
-        argmax, _, _ = target.run(right_padded(verify), aux_ids)
-        # The target's choice after the pending token (position p) and after each draft.
-        choice = torch.stack([argmax[j, r.prompt_len:r.prompt_len + K] for j, r in enumerate(chunk)])
-        accepted.append(accepted_drafts(drafts, choice))
+        prompts = [ids[r.seq, :r.prompt_len] for r in requests[i:i + CHUNK]]
+        accepted.append(draft_and_verify(drafter, target, prompts, aux_ids, K)[2])
     return AcceptStats(torch.cat(accepted))
+
+
+def generate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, sequences: int, new_tokens: int,
+             K: int) -> tuple[torch.Tensor, AcceptStats]:
+    """Whole generations: greedy chain speculative decoding of `new_tokens` tokens from the first
+    `sequences` held-out prompts, round after round (each round commits the accepted drafts and the
+    target's bonus token). -> (the generated sequences, every round's accepted drafts).
+
+    Unlike simulate(), where a round starts here depends on how much the previous rounds accepted.
+    """
+    P = trained.recipe.prompt_tokens
+    seqs = [trained.heldout_ids[i, :P] for i in range(sequences)]
+    accepted = []
+    while active := [i for i in range(sequences) if len(seqs[i]) - P < new_tokens]:
+        contexts, drafts, acc = draft_and_verify(drafter, target, [seqs[i] for i in active],
+                                                 trained.config.aux_layer_ids, K)
+        for j, i in enumerate(active):
+            seqs[i] = torch.cat([contexts[j], drafts[j, :acc[j]]])   # the bonus is the next round's pending token
+        accepted.append(acc)
+    return torch.stack([s[:P + new_tokens] for s in seqs]), AcceptStats(torch.cat(accepted))
 
 
 # ---------------------------------------------------------------- drafters
@@ -230,7 +252,7 @@ def grouped(drafter: Drafter, size: int) -> Drafter:
     return draft
 
 
-GROUP = {"reference": 4, "speculators": 4, "sglang": CHUNK}   # requests per drafter call
+GROUP = {"reference": 4, "speculators": 8, "sglang": CHUNK}   # requests per drafter call (fastest on CPU)
 
 
 def make_drafter(impl: str, checkpoints: dict[str, Path]) -> Drafter:
@@ -266,12 +288,13 @@ class Fault:
     stage: str                       # the first stage where it must show
     weights: Callable[[dict], None] | None = None   # edits the checkpoint tensors (both formats)
     config: Callable[[dict], None] | None = None    # edits the speculators-format config.json
-    aux_shift: int = 0               # the server captures every aux layer this many layers later
+    served_aux: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None   # trained ids -> captured ids
 
 
 FAULTS: tuple[Fault, ...] = (
-    Fault("aux_layers_off_by_one", "the server captures each aux layer one later (eagle_config written in "
-          "the training convention; SGLang adds 1, models/llama.py:937-941)", "sglang", "aux_in", aux_shift=1),
+    Fault("aux_layers_shifted", "the served capture list starts at the embedding output, each chunk the one "
+          "before it: (0, 2, 5) for (2, 5, 7), the [embed, layer3, layer31] for [layer3, layer31, layer59] "
+          "class (field-evidence.md §0)", "sglang", "aux_in", served_aux=lambda ids: (0, *ids[:-1])),
     Fault("fc_skipped", "fc passes the first aux chunk through: layer 0 reads a raw target state, as when "
           "SGLang skips fc (models/llama_eagle3.py:238)", "sglang", "fc_out", weights=_fc_passes_first_chunk),
     Fault("residual_after_norm", "layer 0 adds attention to the normed hidden (norm_before_residual set; "
@@ -302,7 +325,9 @@ def plant(fault: Fault, trained: TrainedDraft, root: Path) -> dict[str, Path]:
 
 
 def served_aux_ids(trained: TrainedDraft, fault: Fault | None = None) -> tuple[int, ...]:
-    return tuple(i + (fault.aux_shift if fault else 0) for i in trained.config.aux_layer_ids)
+    """The target layers the server captures (training convention: input of layer i)."""
+    ids = tuple(trained.config.aux_layer_ids)
+    return fault.served_aux(ids) if fault and fault.served_aux else ids
 
 
 def probe_batch(trained: TrainedDraft, target: GreedyTarget, aux_ids: tuple[int, ...], sequences: int = 3) -> DraftBatch:

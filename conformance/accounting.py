@@ -32,6 +32,7 @@ class Accounting:
     differs: list[str] = field(default_factory=list)             # landed, but not bit-equal to the checkpoint
     nan: list[str] = field(default_factory=list)                 # parameters holding NaN/inf after loading
     refused: str = ""                                            # the loader raised (one line)
+    vocab_map: list[str] = field(default_factory=list)           # broken d2t/t2d invariants of the checkpoint
     uses: dict[str, str] = field(default_factory=dict)           # lm_head / embed_tokens / d2t: what it really uses
     knobs: dict[str, object] = field(default_factory=dict)       # effective knob values
 
@@ -42,12 +43,14 @@ class Accounting:
         out += [f"never loaded: {p}" for p in self.never_loaded]
         out += [f"differs from checkpoint: {p}" for p in self.differs]
         out += [f"NaN/inf after loading: {p}" for p in self.nan]
+        out += [f"invalid {p}" for p in self.vocab_map]
         return out
 
     def row(self, draft: str) -> dict:
         """One report row (report.add_row("weight accounting", ...))."""
         return {"draft": draft, "impl": self.impl, "landed": f"{len(self.landed)}/{self.tensors}",
                 "problems": "; ".join(self.problems) or "none",
+                "d2t/t2d invariants": "broken" if self.vocab_map else "hold",
                 "ignored": ", ".join(self.ignored), **{k: v for k, v in self.uses.items()}}
 
 
@@ -62,6 +65,12 @@ def _equal(param: torch.Tensor, tensor: torch.Tensor) -> bool:
             and param.shape[0] > tensor.shape[0]:
         param = param[: tensor.shape[0]]
     return param.shape == tensor.shape and torch.equal(param.detach().cpu(), tensor.to(param.dtype))
+
+
+def _one_line(exc: BaseException, ckpt_dir: Path) -> str:
+    """The loader's own first line, with the temp directory cut down to its name (reports stay identical)."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return line.replace(str(ckpt_dir), ckpt_dir.name)
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -117,6 +126,11 @@ def vocab_map_problems(tensors: dict[str, torch.Tensor], vocab_size: int, draft_
     return out
 
 
+def _vocab_map(ckpt: dict[str, torch.Tensor], vocab_size: int, draft_vocab_size: int) -> list[str]:
+    """The invariants for the vocabulary sizes the implementation itself built."""
+    return [f"{name}: {problem}" for name, problem in vocab_map_problems(ckpt, vocab_size, draft_vocab_size)]
+
+
 # ---------------------------------------------------------------- per implementation
 
 def account(impl: str, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None) -> Accounting:
@@ -164,6 +178,7 @@ def _reference(ckpt_dir: Path, dtype: torch.dtype, target) -> Accounting:
                  "lm_head": "embed_tokens (tied)" if cfg.tie_word_embeddings else "checkpoint lm_head",
                  "d2t": "checkpoint d2t" if "d2t" in read else "none (draft vocab = vocab)"}
     acct.knobs = reference_knobs(cfg)
+    acct.vocab_map = _vocab_map(ckpt, cfg.vocab_size, cfg.draft_vocab_size)
     return acct
 
 
@@ -196,7 +211,7 @@ def _speculators(ckpt_dir: Path, dtype: torch.dtype, target) -> Accounting:
     try:
         loaded = ADAPTERS["speculators"]().load(ckpt_dir, dtype)
     except Exception as exc:   # the loader's own words, one line
-        acct.refused = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        acct.refused = _one_line(exc, ckpt_dir)
         acct.knobs = {"loaded": "no"}
         return acct
     model = loaded.model
@@ -212,6 +227,7 @@ def _speculators(ckpt_dir: Path, dtype: torch.dtype, target) -> Accounting:
     acct.never_loaded = sorted(set(state) - set(ckpt) - set(VERIFIER_OWNED))   # the teacher head is training-only
     acct.nan = sorted(k for k, v in state.items() if k not in VERIFIER_OWNED and not _finite(v))
     cfg = model.config
+    acct.vocab_map = _vocab_map(ckpt, model.embed_tokens.num_embeddings, model.lm_head.out_features)
     acct.uses = {"embed_tokens": "checkpoint (in training: the verifier's, unless embed_requires_grad)",
                  "lm_head": "checkpoint lm_head (in training: verifier lm_head[t2d], frozen; model.py:172-185)",
                  "d2t": "checkpoint d2t" if model.d2t is not None else "none (draft vocab = vocab)"}
@@ -250,7 +266,7 @@ def _sglang(ckpt_dir: Path, dtype: torch.dtype, target) -> Accounting:
     try:
         loaded = ADAPTERS["sglang"]().load(ckpt_dir, dtype)
     except Exception as exc:
-        acct.refused = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        acct.refused = _one_line(exc, ckpt_dir)
         acct.knobs = {"loaded": "no"}
         return acct
     model = loaded.model
@@ -310,6 +326,7 @@ def _sglang(ckpt_dir: Path, dtype: torch.dtype, target) -> Accounting:
     acct.nan = sorted(n for n, p in params.items() if not _finite(p))
 
     inner, cfg = model.model, model.config
+    acct.vocab_map = _vocab_map(ckpt, cfg.vocab_size, cfg.draft_vocab_size)
     tied = model.lm_head is inner.embed_tokens
     Ht = inner.hidden_size_in
     H = cfg.hidden_size

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
 from conformance.adapters.base import Trace
 from conformance.compare import compare_traces
-from fixtures.checkpoint import read_weights, write_checkpoints
+from fixtures.checkpoint import WEIGHTS_FILE, write_checkpoints
 from fixtures.formats import expected_tensors
 from fixtures.real_shapes import SHAPES
 from fixtures.tiny import make_batch, make_config, make_vocab_map
@@ -62,11 +64,15 @@ def peak_rss_bytes() -> int:
 
 
 def reference_fp32(ckpt_dir: Path, cfg: Eagle3Config) -> Eagle3Reference:
-    """The fp32 reference built one tensor at a time, so bf16 and fp32 copies never coexist whole."""
-    weights = read_weights(ckpt_dir)
+    """The fp32 reference, read and widened one tensor at a time (largest first), each through its own
+    short-lived file mapping: the bf16 file is never resident alongside the whole fp32 copy."""
+    path = str(ckpt_dir / WEIGHTS_FILE)
+    with safe_open(path, framework="pt") as f:
+        names = sorted(f.keys(), key=lambda k: -math.prod(f.get_slice(k).get_shape()))
     fp32 = {}
-    for name in list(weights):
-        t = weights.pop(name)
+    for name in names:
+        with safe_open(path, framework="pt") as f:
+            t = f.get_tensor(name)
         fp32[name] = t.float() if t.is_floating_point() else t
         del t
     return Eagle3Reference(cfg, fp32, torch.float32)
@@ -75,6 +81,7 @@ def reference_fp32(ckpt_dir: Path, cfg: Eagle3Config) -> Eagle3Reference:
 def run(shape: str, workdir: Path) -> dict:
     cfg = make_config(**SHAPES[shape])
     timings: dict[str, float] = {}
+    peaks: dict[str, float] = {}      # the process's peak RSS so far, after each phase
     clock = time.perf_counter()
 
     def lap(name):
@@ -82,6 +89,7 @@ def run(shape: str, workdir: Path) -> dict:
         gc.collect()
         now = time.perf_counter()
         timings[name] = round(now - clock, 1)
+        peaks[name] = round(peak_rss_bytes() / 2**30, 2)
         clock = now
 
     weights = make_real_size_weights(cfg, torch.Generator().manual_seed(SEED))
@@ -112,6 +120,7 @@ def run(shape: str, workdir: Path) -> dict:
                             "message": "" if first is None else c.message(f"python -m conformance.real_size {shape} DIR")})
     return {"shape": shape, "parameters": params, "tokens": sum(LENGTHS), "seconds": timings,
             "total_seconds": round(sum(timings.values()), 1), "peak_rss_gib": round(peak_rss_bytes() / 2**30, 2),
+            "peak_rss_gib_after": peaks,
             "comparisons": comparisons}
 
 

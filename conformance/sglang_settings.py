@@ -23,11 +23,12 @@ from reference.eagle3 import Eagle3Config
 
 # Settings the test runs with unless --sglang-args says otherwise: chain drafting with the steps the
 # tiny draft was trained for (they conform: SGLang keeps them as they are).
-DEFAULT_SGLANG_ARGS = ("--speculative-algorithm EAGLE3 --speculative-eagle-topk 1 "
+DEFAULT_SGLANG_ARGS = ("--speculative-eagle-topk 1 "
                        "--speculative-num-steps 5 --speculative-num-draft-tokens 6")
 # Prepended to every command line: where the models are, and what runs on a CPU host. The user's
 # flags come after them, so theirs win.
-HOST_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-tokenizer-init")
+HOST_ARGS = ("--speculative-algorithm", "EAGLE3", "--device", "cpu", "--attention-backend", "torch_native",
+             "--skip-tokenizer-init")
 NUMBERS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 SHOWN = NUMBERS + ("speculative_algorithm", "speculative_token_map", "speculative_draft_window_size",
                    "speculative_draft_sink_size", "speculative_use_rejection_sampling",
@@ -179,8 +180,8 @@ def findings(requested: dict, effective: dict, warnings: list[str], facts: Draft
             why = "changed by SGLang's resolution"
             if k == "speculative_num_draft_tokens" and effective["speculative_eagle_topk"] == 1:
                 said = next((w for w in warnings if "speculative_num_draft_tokens is adjusted" in w), "")
-                why = (f"SGLang drafts a chain of {effective['speculative_num_steps']} steps when topk == 1 and sets "
-                       f"num_draft_tokens = num_steps + 1 (arg_groups/speculative_hook.py:1255-1266)"
+                why = (f"with topk == 1 SGLang drafts a chain and sets num_draft_tokens = num_steps + 1 = {got} "
+                       f"(arg_groups/speculative_hook.py:1255-1266): at most {got} tokens per verify round"
                        + (f"; SGLang's warning: {said!r}" if said else ""))
             out.append(Finding(k, asked, got, MISMATCH, why))
     if (effective["speculative_eagle_topk"] or 1) > 1:

@@ -163,3 +163,12 @@ def test_broken_vocab_map_is_named(edit, field, words):
     problems = broken(edit)
     assert problems, "not caught"
     assert problems[0][0] == field and words in problems[0][1], problems
+
+
+@pytest.mark.meta
+def test_broken_vocab_map_in_a_checkpoint_is_named(drafts, tmp_path):
+    def edit(w):
+        w["d2t"] = torch.zeros_like(w["d2t"])
+    acct = account("sglang", planted(drafts, GQA, "sglang", tmp_path, edit))
+    assert any(p.startswith("invalid d2t: all zero") for p in acct.problems), acct.problems
+    assert acct.row("gqa")["d2t/t2d invariants"] == "broken"

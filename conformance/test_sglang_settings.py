@@ -37,10 +37,26 @@ def _record(report, section: str, settings) -> None:
         report.add_row(section, row)
 
 
+def predicted_row(settings, prediction) -> dict:
+    """What the training metrics predict at the effective settings: 1 + sum_{k<K} full_acc_k, K the
+    effective chain steps (the seed's 1 step: 1 + full_acc_0, the field's '74.7% -> 1.75')."""
+    steps, topk = settings.effective["speculative_num_steps"], settings.effective["speculative_eagle_topk"]
+    if topk != 1:
+        value = f"not predicted: tree drafting (topk {topk})"
+    elif steps > len(prediction.full_acc):
+        value = f"not predicted: K = {steps} beyond the {len(prediction.full_acc)} trained steps"
+    else:
+        value = f"{prediction.accept_length(steps):.3f} at K = {steps} (at most {steps + 1} per round)"
+    return {"command line": settings.command_line, "setting": "predicted accept length (1 + sum full_acc_k)",
+            "requested": "", "effective": value, "verdict": "note",
+            "why": "speculators' held-out metrics of this draft (conformance/acceptance.py)"}
+
+
 @pytest.mark.cpu
-def test_sglang_effective_settings_match_requested(trained_draft, sglang_args, report, repro):
+def test_sglang_effective_settings_match_requested(trained_draft, acceptance, sglang_args, report, repro):
     settings = _settings(trained_draft, sglang_args)
     _record(report, "sglang effective settings", settings)
+    report.add_row("sglang effective settings", predicted_row(settings, acceptance.prediction))
     lines = [f.line() for f in settings.mismatches]
     assert not lines, (f"sglang vs requested [trained_draft, --sglang-args {sglang_args!r}]: "
                        f"{len(lines)} setting(s) served differently\n  " + "\n  ".join(lines)
@@ -67,6 +83,19 @@ def test_more_steps_than_trained_are_flagged(trained_draft, report):
     assert steps and steps[0].effective > trained_draft.trained_steps, (
         f"sglang [{MORE_STEPS_THAN_TRAINED}]: 7 steps for a draft trained for {trained_draft.trained_steps} "
         f"TTT steps not flagged: {[f.line() for f in settings.findings]}")
+
+
+@pytest.mark.cpu
+def test_auto_chosen_settings_are_reported(trained_draft, report):
+    """No speculative numbers: SGLang chooses them itself for the target's architecture
+    (speculative_hook.py:1159-1174); each is reported as auto-chosen with what SGLang runs."""
+    settings = _settings(trained_draft, "--max-running-requests 8")
+    _record(report, "sglang effective settings: nothing requested", settings)
+    auto = {f.setting: f.effective for f in settings.findings if f.why.startswith("auto-chosen")}
+    assert set(auto) == {"speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"} and \
+        all(v is not None for v in auto.values()), f"auto-chosen settings not reported: {settings.findings}"
+    if auto["speculative_eagle_topk"] > 1:
+        assert any("tree drafting" in f.why for f in settings.findings), "topk > 1 without the tree-drafting note"
 
 
 @pytest.mark.cpu

@@ -67,7 +67,8 @@ def tol_for(kind: str, dtype: torch.dtype) -> Tol:
 # how unlucky a seed can be. Left out by assumption (rows are alike wherever they sit): full_acc_k
 # does not score the last k rows of a sequence, and it scores row 0, whose input is a prompt token
 # (no server round starts there): at most 5 of 65 rows per held-out sequence. A planted fault's drop
-# counts when it exceeds the same bound on the per-round differences (the same rounds, paired).
+# is reported next to the same bound on its per-round differences (the same rounds, paired): the
+# test requires the drop, the bound says whether this many rounds could tell it from chance.
 ACCEPT_LENGTH_Z = 4.0
 
 

@@ -1,4 +1,4 @@
-"""SGLang's real EAGLE-3 draft (`LlamaForCausalLMEagle3`) run in-process on CPU, stage by stage.
+"""SGLang's real EAGLE-3 draft (`LlamaForCausalLMEagle3`) run in-process (CPU, or CUDA), stage by stage.
 
 Step 0 is SGLang's draft EXTEND over every packed sequence; steps >= 1 are SGLang's draft DECODE
 passes on each sequence's last token, as in serving. Stages are observed with forward hooks on

@@ -58,6 +58,7 @@ def sglang_aux_layer_ids(draft_dir: Path, root: Path | None = None) -> AuxIds:
     from sglang.srt.runtime_context import get_context
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+    # model_config is the target's; with a draft path SGLang never reads it (spec_aux_hidden_state.py:171).
     try:
         with get_context().override_server_args(speculative_algorithm="EAGLE3",
                                                 speculative_draft_model_path=str(draft_dir)) as server_args:

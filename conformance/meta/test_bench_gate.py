@@ -20,21 +20,27 @@ from conformance.throughput import SLOWDOWN_ENV, host_device, machine_class
 pytestmark = [pytest.mark.benchmark, pytest.mark.meta]
 
 ROOT = Path(__file__).resolve().parents[2]
-SELECT = "cpu-tiny-fp32-b8-l128"   # 6 figures: 3 adapters x (extend, decode), tens of ms each
+SELECT = "cpu-tiny-fp32-b1-l128"   # 6 figures: 3 adapters x (extend, decode), milliseconds each
+# The fastest round of each figure: on a shared machine (this project's 2-core boxes run several
+# sessions at once) the median of an unchanged run drifts with the load by more than 50%, the
+# minimum does not. The make target's default, median:50%, is for dedicated runners.
+GATE = "min:50%"
 
 
 def run_make(target: str, baselines: Path, **env) -> subprocess.CompletedProcess:
     venv = Path(sys.prefix)
     # -o: never (re)install the environment from inside a test; this interpreter's venv is the one.
     cmd = ["make", "-s", "-o", f"{venv}/.installed", target, f"VENV={venv}", f"BENCH_BASELINES={baselines}",
-           f"BENCH_SELECT={SELECT}", "BENCH_MARK=benchmark and not gpu and not meta"]
+           f"BENCH_SELECT={SELECT}", "BENCH_MARK=benchmark and not gpu and not meta", f"BENCH_FAIL={GATE}"]
+    # One intra-op thread: on a shared machine a figure then slows down with the machine's load
+    # instead of stalling at thread barriers, which keeps an unchanged run within the gate's margin.
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, SLOWDOWN_ENV: "", **env})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", SLOWDOWN_ENV: "", **env})
 
 
 def regressed(output: str) -> list[str]:
     """The figures pytest-benchmark lists under 'Performance has regressed'."""
-    return re.findall(r"^\s*(test_\w+\[[^\]]+\])[^\n]* - Field 'median' has failed", output, re.M)
+    return re.findall(r"^\s*(test_\w+\[[^\]]+\])[^\n]* - Field '\w+' has failed", output, re.M)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from conformance.adapters import ADAPTERS
-from conformance.compare import compare_traces
 from fixtures.cases import ALL_CASES, CASES_BY_ID
 from fixtures.checkpoint import read_speculators_config, write_checkpoints
 from fixtures.formats import (WRITABLE, CheckpointError, ConversionError, convert, detect_format, expected_tensors,

@@ -119,3 +119,18 @@ def test_every_known_wiring_entry_matches_a_case():
     cases = wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS)
     for entry in KNOWN_WIRING:
         assert any(known_wiring(*x) is entry for x in cases), f"known wiring entry matches no case: {entry.describe()}"
+
+
+@pytest.mark.parametrize("target", CAPTURE_ONLY_TARGETS, ids=lambda t: t.id)
+def test_capture_only_target_still_cannot_run(target, wiring):
+    """The reason a class is only exercised through set_eagle3_layers_to_capture still holds; when SGLang
+    fixes it, this fails and the class belongs in TARGETS (with a transformers counterpart)."""
+    from conformance.adapters.sglang_target import CaptureFailed, build_target
+    from fixtures.targets import make_target_input, write_target_config
+
+    built = build_target(target, write_target_config(target, wiring.root / "no_forward" / target.id))
+    built.set_capture(AuxIds(True, None))
+    with pytest.raises(CaptureFailed) as info:
+        built.run(make_target_input(torch.Generator().manual_seed(1)))
+    assert str(info.value).split(": ", 1)[1] in target.no_forward, \
+        f"{target.id} now fails differently ({info.value}); update TargetSpec.no_forward"
