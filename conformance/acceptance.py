@@ -22,7 +22,7 @@ from conformance.adapters import ADAPTERS
 from conformance.adapters.base import Trace
 from conformance.compare import Comparison, compare_traces
 from fixtures.checkpoint import WEIGHTS_FILE
-from fixtures.trained_draft import GreedyTarget, TrainedDraft, collate, loss_config, speculators_items
+from fixtures.trained_draft import GreedyTarget, TrainedDraft, collate, loss_config, one_thread, speculators_items
 from reference.eagle3 import DraftBatch
 from reference.speculative import AcceptStats, accepted_drafts, predicted_accept_length
 
@@ -47,6 +47,7 @@ class Prediction:
         return predicted_accept_length(self.full_acc, K)
 
 
+@one_thread()
 def speculators_prediction(trained: TrainedDraft, steps: int = K_MAX) -> Prediction:
     """speculators' training forward with its loss and metrics on every held-out sequence.
 
@@ -121,6 +122,7 @@ def draft_and_verify(drafter: Drafter, target: GreedyTarget, prompts: list[torch
     return contexts, drafts, accepted_drafts(drafts, choice)
 
 
+@one_thread()
 def simulate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, requests: list[Request],
              K: int = K_MAX, aux_layer_ids: tuple[int, ...] | None = None) -> AcceptStats:
     """One greedy verify round per request (prompt: a held-out prefix of the request's length).
@@ -136,6 +138,7 @@ def simulate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, requ
     return AcceptStats(torch.cat(accepted))
 
 
+@one_thread()
 def generate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, sequences: int, new_tokens: int,
              K: int) -> tuple[torch.Tensor, AcceptStats]:
     """Whole generations: greedy chain speculative decoding of `new_tokens` tokens from the first
@@ -340,6 +343,7 @@ def probe_batch(trained: TrainedDraft, target: GreedyTarget, aux_ids: tuple[int,
                       seq_ids=torch.arange(ids.shape[0]).repeat_interleave(T))
 
 
+@one_thread()
 def first_divergence(trained: TrainedDraft, target: GreedyTarget, impl: str, checkpoints: dict[str, Path],
                      aux_ids: tuple[int, ...], case_id: str) -> Comparison:
     """compare_traces of `impl` serving `checkpoints` (fed `aux_ids`) against the correctly wired

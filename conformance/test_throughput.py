@@ -18,7 +18,7 @@ import torch
 from conformance.adapters import ADAPTERS
 from conformance.harness import DraftStore
 from conformance.throughput import (
-    COPY, CPU_SIZES, EXTEND, GPU_SIZES, RESULTS, ROOFLINE_TIMER, TIMED, BenchCase, Figure,
+    COPY, CPU_SIZES, EXTEND, GPU_SIZES, RESULTS, ROOFLINE_GROUP, ROOFLINE_TIMER, TIMED, BenchCase, Figure,
     planted_slowdown, step_bytes, sweep, synchronize, time_rounds,
 )
 from conformance.tolerances import DTYPES
@@ -135,7 +135,7 @@ def run_benchmark(benchmark, bench_drafts, report, case: BenchCase) -> None:
                 step0_seconds.extend(time_rounds(step0, case.device, rounds=1, warmup=0))
 
         rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, math.ceil(BUDGET_S[case.device] / first / (1.5 if step0 else 1))))
-        benchmark.group = f"{case.device} {case.size} {case.dtype} {case.pass_}: time / roofline time"
+        benchmark.group = f"{case.device} {case.size} {case.dtype} {case.pass_}{ROOFLINE_GROUP}"
         benchmark.pedantic(timed, setup=setup, rounds=rounds, iterations=1)
         seconds = [d * ROOFLINE_TIMER.unit for d in benchmark.stats.stats.data]
         assert len(seconds) == rounds and all(math.isfinite(s) and s > 0 for s in seconds), f"{case.id}: {seconds}"

@@ -202,6 +202,7 @@ class RooflineTimer:
 
 
 ROOFLINE_TIMER = RooflineTimer()
+ROOFLINE_GROUP = ": time / roofline time"   # the end of every pytest-benchmark group of these figures
 
 
 # ---------------------------------------------------------------- results and the table
@@ -336,10 +337,11 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 
 
 def pytest_benchmark_scale_unit(config, unit, benchmarks, best, worst, sort):
-    # Our stats are ratios (RooflineTimer): no s/ms/us scaling, and the header says what they are.
-    if unit == "seconds":
-        return "roofline-time unit", 1.0
-    return "", 1.0
+    # The figures of test_throughput.py are ratios (RooflineTimer): no s/ms/us scaling, and the header
+    # says what they are. Any other benchmark keeps pytest-benchmark's own scaling (None: not ours).
+    if not all(str(b.get("group") or "").endswith(ROOFLINE_GROUP) for b in benchmarks):
+        return None
+    return ("roofline-time unit", 1.0) if unit == "seconds" else ("", 1.0)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

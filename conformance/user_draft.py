@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from conformance.harness import DraftStore
 from fixtures.cases import DraftCase
 from fixtures.checkpoint import WEIGHTS_FILE, sha256
-from fixtures.formats import (CONFIG_FILE, CheckpointError, DraftCheckpoint, expected_tensors, from_canonical,
+from fixtures.formats import (CONFIG_FILE, INDEX_FILE, CheckpointError, DraftCheckpoint, expected_tensors, from_canonical,
                               open_checkpoint, read_target_config, read_tensor, read_weights, undeclared_tensors,
                               write_draft)
 from fixtures.example_draft import EXAMPLE_CONFIG, write_example
@@ -147,7 +147,12 @@ def validate_inputs(checkpoint: Path, data: Path | None = None, hidden_states: P
         read_dump(Path(hidden_states), inputs.samples[:len(first_samples(inputs.samples))], cfg)
     if target is not None:
         inputs.target = read_target_config(Path(target))
-    inputs.digests = {str(p): sha256(p) for p in input_files(checkpoint, data, hidden_states, target)}
+    # The files this run reads (not whatever else lives in the user's directories).
+    read = [ckpt.path / CONFIG_FILE, *dict.fromkeys(i.file for i in ckpt.tensors.values())]
+    read += [ckpt.path / INDEX_FILE] if (ckpt.path / INDEX_FILE).is_file() else []
+    if inputs.hidden_states is not None:
+        read += [inputs.hidden_states / f"hs_{i}.safetensors" for i in range(len(first_samples(inputs.samples)))]
+    inputs.digests = {str(p): sha256(p) for p in read + input_files(data, target)}
     return inputs
 
 

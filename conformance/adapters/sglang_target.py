@@ -88,7 +88,9 @@ def build_target(spec: TargetSpec, config_dir: Path) -> "SGLangTarget":
     # ModelConfig is how a server reads the target (it also sets the wrapper flags Kimi-K2.5 reads,
     # model_config.py:908-909); the model is built from its hf_config, as the model loader does.
     model_config = ModelConfig(str(config_dir), dtype="float32")
-    with set_default_torch_dtype(torch.float32), torch.device(device):
+    # Forked: some classes initialise modules from the global generator (Kimi-K2.5's vision tower), which
+    # other tests may draw from; the weights that matter are loaded afterwards.
+    with set_default_torch_dtype(torch.float32), torch.device(device), torch.random.fork_rng(devices=[]):
         return SGLangTarget(spec, sglang_class(spec)(model_config.hf_config).eval(), device)
 
 

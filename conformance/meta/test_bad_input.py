@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conformance.user_draft import input_files, validate_inputs
+from conformance.user_draft import configure_user_inputs, input_files, validate_inputs
 from fixtures.checkpoint import sha256
 from fixtures.example_draft import write_example
 from fixtures.formats import CheckpointError
@@ -210,6 +210,23 @@ def test_bad_input_is_a_usage_error_of_pytest(bad, inputs):
     assert before == {p: sha256(p) for p in input_files(*inputs)}
 
 
+class Options:
+    """The two members of pytest's config that configure_user_inputs reads."""
+
+    def __init__(self, **options):
+        self.options, self.stash = options, pytest.Stash()
+
+    def getoption(self, name):
+        return self.options.get(name)
+
+
 def test_training_data_without_a_checkpoint_is_a_usage_error(inputs):
-    result = run_pytest("--training-data", str(inputs[1]), "conformance/test_user_draft.py")
-    assert result.returncode == 4 and "--training-data needs --draft-checkpoint" in result.stderr, result.stderr
+    with pytest.raises(pytest.UsageError, match="--training-data needs --draft-checkpoint"):
+        configure_user_inputs(Options(**{"--training-data": str(inputs[1])}))
+
+
+def test_bad_input_raises_the_usage_error_pytest_exits_4_on(inputs):
+    draft = inputs[0]
+    (draft / "config.json").write_text("")
+    with pytest.raises(pytest.UsageError, match="config.json: file: empty file"):
+        configure_user_inputs(Options(**{"--draft-checkpoint": str(draft)}))

@@ -106,7 +106,7 @@ def test_dump_round_trip_and_alignment(tmp_path):
 @pytest.mark.parametrize("edit,words", [
     (lambda d: (d / "hs_1.safetensors").unlink(), "hs_1.safetensors: file: missing: the hidden states of training-data line 2"),
     (lambda d: (d / "hs_0.safetensors").write_bytes(b"\x00" * 9), "hs_0.safetensors: file: not a readable safetensors file"),
-])
+], ids=["missing_file", "corrupt_file"])
 def test_broken_dump_is_named(edit, words, tmp_path):
     samples = load_samples(write_samples(tmp_path / "d.jsonl", [[1, 2, 3], [4, 5, 6]], n_prompt=[1, 1]), 97)
     target = TinyTarget(CFG, torch.Generator().manual_seed(0))

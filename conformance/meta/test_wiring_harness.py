@@ -134,3 +134,35 @@ def test_capture_only_target_still_cannot_run(target, wiring):
         built.run(make_target_input(torch.Generator().manual_seed(1)))
     assert str(info.value).split(": ", 1)[1] in target.no_forward, \
         f"{target.id} now fails differently ({info.value}); update TargetSpec.no_forward"
+
+
+def test_building_targets_leaves_the_global_generator_alone(tmp_path):
+    """transformers and SGLang initialise some modules from torch's global generator; the store forks it,
+    so whether the wiring tests ran first never changes what another test draws."""
+    from conformance.wiring import WiringStore
+
+    before = torch.random.get_rng_state().clone()
+    WiringStore(tmp_path).serve(TARGETS_BY_ID["kimi_k25"], CASES_BY_ID["speculators_default"], "sglang")
+    assert torch.equal(before, torch.random.get_rng_state()), "building or running a target drew from the global generator"
+
+
+def test_speculators_id_rules_are_speculators_own(wiring):
+    """The convention table's speculators row against speculators' own resolve_target_layer_ids: its default
+    for an N-layer target, and every id the cases use (0 and N included) accepted, N + 1 refused."""
+    import warnings
+
+    from speculators.models.utils import resolve_target_layer_ids
+
+    from conformance.wiring import TRAINERS, TRAINING_CASES
+    from fixtures.targets import write_target_config
+
+    verifier = str(write_target_config(TARGETS_BY_ID["llama"], wiring.root / "speculators_verifier"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # its "ids not set explicitly" warning
+        default = resolve_target_layer_ids(None, verifier)
+    assert tuple(default) == TRAINERS["speculators"].default(N), f"speculators' default is {default}"
+    for case in TRAINING_CASES:
+        if case.trainer == "speculators" and case.ids is not None:
+            assert resolve_target_layer_ids(list(case.ids), verifier) == list(case.ids), case.id
+    with pytest.raises(ValueError, match="within"):
+        resolve_target_layer_ids([0, 4, N + 1], verifier)
