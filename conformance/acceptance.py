@@ -1,10 +1,8 @@
-"""From training accuracy to accept length: speculators' predicted accept length vs simulated decoding.
+"""From training accuracy to accept length: speculators' prediction vs simulated speculative decoding.
 
-Predicted: speculators' own per-step metrics (full_acc_k, cond_acc_k) from its training forward on
-held-out greedy continuations of the tiny target, turned into 1 + sum_{k<K} full_acc_k. Simulated:
-greedy chain speculative decoding of the same target, the trained draft run through each adapter
-(reference, speculators, SGLang) as a drafter, one verify round per request at a prompt length drawn
-uniformly, verified against the target's argmax (accept length = accepted drafts + 1).
+Predicted: 1 + sum_{k<K} full_acc_k from speculators' own metrics on held-out greedy continuations.
+Simulated: greedy chain speculative decoding of the same target with the draft served by each adapter
+as the drafter, verified against the target's argmax (accept length = accepted drafts + 1 per round).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Training accuracy vs accept length, for a tiny draft trained with speculators' own training code.
+"""Training accuracy vs accept length for a tiny draft trained with speculators' own training code.
 
-Predicted: 1 + sum_{k<K} full_acc_k from speculators' metrics on held-out greedy continuations.
-Simulated: greedy chain speculative decoding of the tiny target with the draft served by each
-implementation (reference, speculators, SGLang), SGLang's accept length. They must agree within
-the sampling bound of conformance/tolerances.py; planted wiring faults must lower the simulated
-accept length and be named at their stage; the target drafting for itself must accept everything.
+speculators' predicted accept length (1 + sum_k full_acc_k) against greedy chain speculative decoding
+with the draft served by the reference, speculators and SGLang, within conformance/tolerances.py's
+sampling bound; planted wiring faults must lower it and be named at their stage.
 """
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ from conformance.acceptance import (FAULTS, K_MAX, first_divergence, generate, m
 from conformance.tolerances import ACCEPT_LENGTH_Z, accept_length_tolerance
 from reference.speculative import AcceptStats
 
-IMPLEMENTATIONS = ("reference", "speculators", "sglang")
+DRAFTERS = ("reference", "speculators", "sglang")   # the reference and both implementations
 CASE = "trained_draft"
 LEARNED = 0.3          # full_acc_0 the trained draft must exceed to be "far from zero" (chance: 1/61)
 ORACLE_REQUESTS = 64   # the oracle accepts every draft: no sampling error to average away
@@ -61,7 +59,7 @@ def test_trained_draft_has_learned(acceptance, report):
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", DRAFTERS)
 def test_predicted_accept_length_matches_simulated(impl, acceptance, report, repro):
     prediction, stats = acceptance.prediction, acceptance.simulated(impl)
     failures = []

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.sglang_settings import CommandLineError, MISMATCH, draft_facts, effective_settings
+from conformance.sglang_settings import CommandLineError, MISMATCH, draft_facts, effective_settings, findings
 from fixtures.trained_draft import CACHE_ENV
 
 SEED_ARGS = "--speculative-eagle-topk 1 --speculative-num-steps 1 --speculative-num-draft-tokens 16"
@@ -85,6 +85,59 @@ def test_more_steps_than_trained_are_flagged(trained_draft, report):
     assert steps and steps[0].effective > trained_draft.trained_steps, (
         f"sglang [{MORE_STEPS_THAN_TRAINED}]: 7 steps for a draft trained for {trained_draft.trained_steps} "
         f"TTT steps not flagged: {[f.line() for f in settings.findings]}")
+
+
+CHAIN = "--speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4 "
+# eagle3-semantics.md §5: flags SGLang accepts and then serves differently from what they ask for.
+SILENT = (
+    ("token_map", CHAIN + "--speculative-token-map hot.pt", "speculative_token_map"),                   # S12
+    ("rejection_sampling", CHAIN + "--speculative-use-rejection-sampling",
+     "speculative_use_rejection_sampling"),                                                               # S8, S9
+    ("draft_window", CHAIN + "--speculative-draft-window-size 4", "speculative_draft_window_size"),      # S11
+    ("sink_size", CHAIN + "--speculative-draft-window-size 4 --speculative-draft-sink-size 2",
+     "speculative_draft_sink_size"),                                                                      # S11
+)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("command_line,setting", [pytest.param(c, s, id=i) for i, c, s in SILENT])
+def test_silent_serving_behaviour_is_flagged(command_line, setting, trained_draft, report):
+    settings = _settings(trained_draft, command_line)
+    for f in settings.mismatches:
+        report.add_row("sglang effective settings: silent behaviours", {
+            "command line": command_line, "setting": f.setting, "requested": str(f.requested),
+            "effective": str(f.effective), "why": f.why})
+    assert setting in {f.setting for f in settings.mismatches}, (
+        f"sglang [{command_line}]: {setting} not flagged: {[f.line() for f in settings.findings]}")
+
+
+@pytest.mark.cpu
+def test_embedding_replaced_by_the_targets_is_flagged(trained_draft):
+    """S13: SGLang serves an EAGLE-3 draft with the target's embedding. The trained draft's is the
+    target's (a note); a draft with its own embedding is flagged."""
+    facts = draft_facts(trained_draft.checkpoints["speculators"], trained_draft.checkpoints["sglang"],
+                        trained_draft.target_dir, trained_draft.config)
+    settings = _settings(trained_draft, CHAIN)
+    verdicts = {}
+    for label, embed in (("same", facts.draft_embed), ("own", facts.draft_embed + 0.01)):
+        facts.draft_embed = embed
+        found = findings(settings.requested, settings.effective, [], facts, "LlamaForCausalLM")
+        verdicts[label] = next(f.verdict for f in found if f.setting == "embed_tokens")
+    assert verdicts == {"same": "note", "own": MISMATCH}, f"embed_tokens verdicts: {verdicts}"
+
+
+@pytest.mark.cpu
+@pytest.mark.meta
+@pytest.mark.parametrize("command_line", ["--bogus-flag 3", "--speculative-num-steps three",
+                                          "--speculative-eagle-topk 1 --speculative-use-block-verification"])
+def test_bad_command_line_is_one_line(command_line, trained_draft):
+    """Refused by SGLang's parser or by its resolution: one line naming --sglang-args, no traceback."""
+    facts = draft_facts(trained_draft.checkpoints["speculators"], trained_draft.checkpoints["sglang"],
+                        trained_draft.target_dir, trained_draft.config)
+    with pytest.raises(CommandLineError) as caught:
+        effective_settings(command_line, trained_draft.target_dir, trained_draft.checkpoints["sglang"], facts)
+    message = str(caught.value)
+    assert message.startswith("--sglang-args:") and "\n" not in message, message
 
 
 @pytest.mark.cpu

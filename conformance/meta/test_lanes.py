@@ -27,6 +27,9 @@ pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "conformance.yml"
 GPU_SKIP_REASON = "gpu: torch.cuda.is_available() is False"
+# The modules with gpu tests (collecting only them keeps this self-test quick; the gate in conftest.py
+# acts on whatever `-m gpu` selects).
+GPU_MODULES = ("conformance/test_gpu.py", "conformance/test_throughput.py")
 
 
 def run_pytest(*args: str) -> subprocess.CompletedProcess:
@@ -36,17 +39,17 @@ def run_pytest(*args: str) -> subprocess.CompletedProcess:
 
 def test_gpu_lane_skips_with_a_reason_and_fails_under_require_gpu():
     if torch.cuda.is_available():   # a CUDA host (CI's gpu job): --require-gpu has nothing to refuse
-        required = run_pytest("-m", "gpu", "--require-gpu", "--collect-only", "-q")
+        required = run_pytest(*GPU_MODULES, "-m", "gpu", "--require-gpu", "--collect-only", "-q")
         assert required.returncode == 0 and " collected" in required.stdout, required.stdout[-2000:]
         return
-    skipped = run_pytest("-m", "gpu", "-q", "-rs")
+    skipped = run_pytest(*GPU_MODULES, "-m", "gpu", "-q", "-rs")
     assert skipped.returncode == 0, skipped.stdout[-3000:]
     n = int(re.search(r"\b(\d+) skipped\b", skipped.stdout).group(1))
     assert n > 0 and not re.search(r"\d+ (passed|failed|error)", skipped.stdout), skipped.stdout[-3000:]
     reasons = [line for line in skipped.stdout.splitlines() if line.startswith("SKIPPED")]
     assert reasons and all(GPU_SKIP_REASON in line for line in reasons), "\n".join(reasons)
 
-    required = run_pytest("-m", "gpu", "--require-gpu", "-q")
+    required = run_pytest(*GPU_MODULES, "-m", "gpu", "--require-gpu", "-q")
     assert required.returncode != 0, "--require-gpu without CUDA must fail"
     message = f"--require-gpu: {n} gpu tests selected but torch.cuda.is_available() is False"
     assert message in required.stdout + required.stderr, required.stdout[-2000:] + required.stderr[-2000:]
