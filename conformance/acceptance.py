@@ -192,7 +192,7 @@ def speculators_drafter(loaded) -> Drafter:
     Why the appended rows never change the chain of the last row t (read in speculators 0.9.0): at
     step 0 row t attends to keys s <= t of its own document (attention.py:16-27: causal and document
     masks), at steps >= 1 in addition only to its own earlier-step keys, the diagonal blocks that
-    extend_dense_mask_for_draft_tokens appends (attention.py:115-145); norms, MLP, fc and lm_head act
+    extend_dense_mask_for_draft_tokens appends (attention.py:115-143); norms, MLP, fc and lm_head act
     per row. So all row t takes from a later row is the token input_ids[t + k] it embeds at step k:
     the draft d_k put there. The appended rows' own outputs are never read.
     """
