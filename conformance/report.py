@@ -195,8 +195,8 @@ class Report:
         self.write_chart(directory / CHART_FILE)
 
     def write_chart(self, path: Path) -> None:
-        """A PNG of max abs error per stage (log scale), one line per implementation pair and dtype;
-        steps side by side, a red cross where a stage diverged. Deterministic: no metadata."""
+        """A PNG of max abs error per stage (log scale), one line per implementation pair and dtype,
+        one panel per draft step; a red cross where a stage diverged. Deterministic: no metadata."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -208,23 +208,26 @@ class Report:
         keys = {key for table in summary.values() for key in table}               # (step, stage)
         layers = 1 + max((int(stage.split(".")[1]) for _, stage in keys if stage.startswith("layers.")), default=0)
         rank = {name: i for i, name in enumerate(stage_names(layers))}
-        points = sorted(keys, key=lambda k: (k[0], rank[k[1]]))                   # forward order, step by step
-        fig = Figure(figsize=(max(8.0, 0.22 * len(points)), 5.0), dpi=100)
-        ax = fig.add_subplot()
-        x = {key: i for i, key in enumerate(points)}
-        for (pair, dtype), table in summary.items():
-            xs = [x[k] for k, (a, _, _) in table.items() if a is not None]
-            ys = [max(a, CHART_FLOOR) for a, _, _ in table.values() if a is not None]
-            ax.plot(xs, ys, marker=".", linewidth=1, label=f"{pair}, {dtype}")
-            bad = [(x[k], max(a or CHART_FLOOR, CHART_FLOOR)) for k, (a, _, n) in table.items() if n]
-            if bad:
-                ax.scatter(*zip(*bad), marker="x", color="red", zorder=3)
-        ax.set_yscale("log")
-        ax.set_ylabel(f"max abs error vs reference (floor {CHART_FLOOR:g})")
-        ax.set_xticks(range(len(points)), [f"{step}:{stage}" for step, stage in points], rotation=90, fontsize=6)
-        ax.set_title("EAGLE-3 conformance: per-stage error (step:stage; red x = diverged)")
+        steps = sorted({step for step, _ in keys}) or [0]
+        width = max(8.0, 0.22 * max((sum(1 for k in keys if k[0] == s) for s in steps), default=0))
+        fig = Figure(figsize=(width, 1.0 + 2.6 * len(steps)), dpi=100)
+        axes = fig.subplots(len(steps), 1, squeeze=False)[:, 0]
+        for ax, step in zip(axes, steps):
+            stages = sorted((st for s, st in keys if s == step), key=rank.__getitem__)
+            x = {st: i for i, st in enumerate(stages)}
+            for (pair, dtype), table in summary.items():
+                rows = [(x[st], max(a, CHART_FLOOR), n) for (s, st), (a, _, n) in table.items() if s == step and a is not None]
+                if rows:
+                    ax.plot([r[0] for r in rows], [r[1] for r in rows], marker=".", linewidth=1, label=f"{pair}, {dtype}")
+                bad = [(x[st], max(a or CHART_FLOOR, CHART_FLOOR)) for (s, st), (a, _, n) in table.items() if s == step and n]
+                if bad:
+                    ax.scatter(*zip(*bad), marker="x", color="red", zorder=3)
+            ax.set_yscale("log")
+            ax.set_ylabel(f"step {step}: max abs error", fontsize=8)
+            ax.set_xticks(range(len(stages)), stages, rotation=90, fontsize=6)
+        axes[0].set_title(f"max abs error vs the reference per stage (floor {CHART_FLOOR:g}; red x: diverged)", fontsize=9)
         if summary:
-            ax.legend(fontsize=7)
+            axes[0].legend(fontsize=7)
         fig.tight_layout()
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         with os.fdopen(fd, "wb") as f:

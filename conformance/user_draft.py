@@ -184,12 +184,17 @@ class UserDraftStore(DraftStore):
         self.reported = False
         self.case = user_case(inputs.config, tuple(len(s.input_ids) - 1 for s in self.samples), inputs.source)
 
+    def is_user(self, case: DraftCase) -> bool:
+        """The user's case, or a relabelled copy of it (e.g. the multi-step run's)."""
+        return case.id.startswith(USER_CASE_ID) and case.overrides == self.case.overrides
+
     def checkpoint(self, case: DraftCase) -> dict[str, Path]:
         """Copies in each implementation's format. SGLang-family drafts keep their own config.json and
         tensor names, so SGLang reads them exactly as it would serve them (its legacy names, its
         reading of norm_output, ...); other formats go through this suite's converter (fixtures/formats.py)."""
-        if case.id != self.case.id:
+        if not self.is_user(case):
             return super().checkpoint(case)
+        case = self.case
         if case.id not in self._checkpoints:
             src, cfg = self.inputs.checkpoint, self.inputs.config
             weights = read_weights(src.path)
@@ -230,7 +235,7 @@ class UserDraftStore(DraftStore):
         return self._aux
 
     def batch(self, case: DraftCase, steps: int = 1, teacher_forced: bool = True):
-        if case.id != self.case.id:
+        if not self.is_user(case):
             return super().batch(case, steps, teacher_forced)
         return make_data_batch(self.inputs.config, self.samples, self.aux(), steps, teacher_forced)
 
