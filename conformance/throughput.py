@@ -286,9 +286,10 @@ RESULTS = Results()
 
 # ---------------------------------------------------------------- machine class
 
-def machine_class(device: str) -> str:
-    """Where baselines live: benchmarks/baselines/<machine class>/ (e.g. cpu-x86_64-2c-amd-epyc,
-    cuda-nvidia-h200). Figures are only compared within one class."""
+def machine_class(device: str, threads: int | None = None) -> str:
+    """Where baselines live: benchmarks/baselines/<machine class>/ (e.g. cpu-x86_64-2c-1t-amd-epyc:
+    2 cores, 1 torch thread; cuda-nvidia-h200). Figures are only compared within one class.
+    `threads`: torch's CPU threads (default: this process's)."""
     if torch.device(device).type == "cuda":
         name = torch.cuda.get_device_name()
         return "cuda-" + _slug(name)
@@ -298,7 +299,8 @@ def machine_class(device: str) -> str:
         brand = cpuinfo.get_cpu_info().get("brand_raw", "") or "cpu"
     except Exception:   # py-cpuinfo is pytest-benchmark's; the class still needs a name without it
         brand = platform.processor() or "cpu"
-    return f"cpu-{platform.machine()}-{os.cpu_count()}c-{_slug(brand)}"
+    threads = torch.get_num_threads() if threads is None else threads
+    return f"cpu-{platform.machine()}-{os.cpu_count()}c-{threads}t-{_slug(brand)}"
 
 
 def _slug(text: str) -> str:
@@ -333,6 +335,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info.pop("node", None)   # the host name: baselines are per machine class, not per host
     device = host_device()
     machine_info["eagle3"] = {"machine_class": machine_class(device), "versions": versions(),
+                              "torch_threads": torch.get_num_threads(),
                               "cuda_device": torch.cuda.get_device_name() if device == "cuda" else None}
 
 

@@ -6,8 +6,9 @@ including the ones SGLang lacks (`norm_before_residual`, q/k/v bias, `input_laye
 >= 1). One code path, plain `softmax(QK^T/sqrt(d) + mask) V` attention, no side effects.
 
 Precision policy (one place): every matmul runs in the working dtype; RMSNorm and softmax upcast
-to fp32 (fp64 stays fp64) and cast back, as HF and SGLang do; RoPE cos/sin are computed in fp64
-and cast to the working dtype.
+to fp32 (fp64 stays fp64) and cast back, as HF and SGLang do; RoPE angles and cos/sin are
+computed in fp32 from the fp32 inverse frequencies HF and SGLang compute (fp64 throughout in fp64
+runs) and cast to the working dtype (see rope_cos_sin).
 
 Multi-step drafting is the training TTT unroll (speculators core.py:269-358): step k feeds back the
 previous step's recurrent hidden at the same token index, positions advance by one per step, and a
@@ -87,12 +88,20 @@ def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_inv_freq(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [hd/2] (fp64) and the cos/sin scale, per HF modeling_rope_utils."""
+def rope_inv_freq(cfg: Eagle3Config, exact: bool = True) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [hd/2] (fp64) and the cos/sin scale, per HF modeling_rope_utils.
+
+    exact=False starts from the fp32 base frequencies that transformers and SGLang compute, with the
+    same fp32 formula (transformers modeling_llama.py:105, sglang rotary_embedding/base.py:240-248); 1 ulp off the
+    exact value is 2.4e-5 rad at position 2000, so below fp64 that rounding is part of the model.
+    """
     d, base = cfg.head_dim, cfg.rope_theta
     p = dict(cfg.rope_scaling or {})
     kind = p.get("rope_type", "default")
-    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if exact:
+        inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    else:
+        inv_freq = (1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))).double()
     if kind == "default":
         return inv_freq, 1.0
     if kind == "linear":
@@ -137,10 +146,18 @@ def rope_inv_freq(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
 
 
 def rope_cos_sin(cfg: Eagle3Config, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin: [T, hd] for the half-split (neox) rotation, computed in fp64."""
-    inv_freq, scale = rope_inv_freq(cfg)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]   # [T, hd/2]
-    emb = torch.cat([angles, angles], dim=-1)                            # [T, hd]
+    """cos, sin: [T, hd] for the half-split (neox) rotation.
+
+    Below fp64 as transformers and SGLang compute them, whatever the working dtype: fp32 inverse
+    frequencies, one fp32 product per angle (transformers modeling_llama.py:110-116; SGLang's
+    cos/sin cache, rotary_embedding/base.py:253-264), fp32 cos/sin. An angle is position x
+    frequency, so its rounding grows with the position: deep in a context it is a radian-sized
+    difference if the frequencies were held in bf16, and 1e-4 rad in fp32 against fp64.
+    """
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq, scale = rope_inv_freq(cfg, exact=compute == torch.float64)
+    angles = positions.to(compute)[:, None] * inv_freq.to(compute)[None, :]   # [T, hd/2]
+    emb = torch.cat([angles, angles], dim=-1)                                  # [T, hd]
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
@@ -79,6 +80,10 @@ def ensure_runtime() -> dict:
     # SGLang picks its kernels per host when its modules are imported (is_cuda()), so the device is
     # the host's: CUDA when there is one (SGLang's own CUDA kernels, no adjustment), else the CPU.
     device = runtime_device()
+    if device == "cuda" and importlib.util.find_spec("sgl_kernel") is None:
+        # Otherwise the first SGLang layer import fails deep inside SGLang with a bare ImportError.
+        raise RuntimeError("sglang on CUDA needs its CUDA kernels (the sgl_kernel module): "
+                           "pip install --no-deps -r requirements-gpu.lock")
     adjustments = cpu_runtime_adjustments() if device == "cpu" else {}
     # Idempotent inside SGLang. Port 0: the OS picks a free port for this world of one, so
     # parallel processes (pytest-xdist workers, concurrent runs) never collide; no MASTER_* env.

@@ -69,8 +69,21 @@ class SpeculatorsAdapter:
             ignore_mismatched_sizes=True,
         )
         _check_every_tensor_loaded(model, ckpt_dir, info)
-        model = model.to(device=device, dtype=dtype).eval()   # integer buffers (d2t, t2d) keep their dtype
+        model = to_compute_dtype(model.to(device), dtype).eval()
         return LoadedSpeculators(model, dtype, info, device)
+
+
+def to_compute_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Parameters in `dtype`, buffers as loaded: what speculators' training computes with.
+
+    Training keeps the model in fp32 and casts only parameters to the compute dtype (FSDP's
+    MixedPrecisionPolicy(param_dtype=...), train/distributed.py:206-209; torch.autocast without
+    FSDP, train/trainer.py:539), so the rotary inverse frequencies stay fp32. `model.to(bf16)`
+    would round them to bf16, which turns keys by up to a radian at position 2000.
+    """
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
 
 
 def attention_for(device: str) -> str | None:
