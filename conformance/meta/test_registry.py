@@ -77,3 +77,21 @@ def test_readme_support_matrix_is_current():
     from conformance.support_matrix import README, readme_block
 
     assert readme_block() in README.read_text(), "README's support matrix is stale: run `make support-matrix`"
+
+
+def test_an_uninstalled_implementation_has_no_known_divergence(monkeypatch):
+    """A host without SGLang (e.g. a GPU box running only speculators) must collect, and SGLang's
+    tests there must fail on the import rather than pass as expected failures."""
+    import conformance.known_divergences as kd
+
+    entry = next(e for e in KNOWN_DIVERGENCES if e.impl == "sglang")
+    case = next(c for c in ALL_CASES if entry.applies(c))
+    monkeypatch.setitem(kd.PACKAGES, "sglang", "sglang-not-installed-here")
+    kd.installed_version.cache_clear()
+    try:
+        assert kd.installed_version("sglang") is None
+        assert not entry.applies(case), f"{entry.id} still applies to {case.id} without SGLang installed"
+    finally:
+        monkeypatch.undo()
+        kd.installed_version.cache_clear()
+    assert entry.applies(case)
