@@ -1,4 +1,4 @@
-"""The real published configs (../shared/data/real-configs): every one parses, its knobs survive every
+"""The real published configs (fixtures/data/real-configs): every one parses, its knobs survive every
 format, and its tiny random twin (same knobs, tiny sizes) runs step 0 through every adapter that
 supports them, against the reference. A config the reference cannot run is named with its field.
 """
@@ -24,7 +24,7 @@ def raw_layer(raw: dict) -> dict:
 
 
 def test_real_configs_are_there():
-    assert len(DRAFTS) >= 29 and len(target_config_files()) >= 9, "the shared real-configs folder is missing files"
+    assert len(DRAFTS) >= 29 and len(target_config_files()) >= 9, "fixtures/data/real-configs is missing files"
 
 
 @pytest.mark.meta
