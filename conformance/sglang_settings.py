@@ -222,7 +222,7 @@ def findings(requested: dict, effective: dict, warnings: list[str], facts: Draft
 
 
 def _embed_and_head(facts: DraftFacts) -> list[Finding]:
-    cfg, raw = facts.config, facts.sglang_config
+    raw = facts.sglang_config
     out = []
     if raw.get("target_hidden_size", raw["hidden_size"]) == raw["hidden_size"]:
         same = facts.draft_embed.shape == facts.target_embed.shape and torch.equal(facts.draft_embed, facts.target_embed)

@@ -4,17 +4,15 @@ The planted tests show each kind of problem is caught and named.
 """
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from conformance.accounting import account, knob_rows, vocab_map_problems
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
 from conformance.known_divergences import known_divergence
 from fixtures.cases import CASES_BY_ID, STEP0_CASES
-from fixtures.checkpoint import WEIGHTS_FILE, sha256
+from fixtures.checkpoint import WEIGHTS_FILE, edited_copy, sha256
 from fixtures.tiny import make_config, make_vocab_map
 
 pytestmark = pytest.mark.cpu
@@ -51,13 +49,7 @@ def test_every_tensor_is_accounted_for(case, impl, drafts, report, repro):
 # ---------------------------------------------------------------- planted problems (harness self-tests)
 
 def planted(drafts, case, fmt, tmp_path, edit):
-    src = drafts.checkpoint(case)[fmt]
-    dst = tmp_path / fmt
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / WEIGHTS_FILE))
-    edit(weights)
-    save_file(weights, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
-    return dst
+    return edited_copy(drafts.checkpoint(case)[fmt], tmp_path / fmt, edit)
 
 
 GQA = CASES_BY_ID["gqa"]

@@ -91,9 +91,10 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 def rope_inv_freq(cfg: Eagle3Config, exact: bool = True) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [hd/2] (fp64) and the cos/sin scale, per HF modeling_rope_utils.
 
-    exact=False starts from the fp32 base frequencies that transformers and SGLang compute, with the
-    same fp32 formula (transformers modeling_llama.py:105, sglang rotary_embedding/base.py:240-248); 1 ulp off the
-    exact value is 2.4e-5 rad at position 2000, so below fp64 that rounding is part of the model.
+    exact=False starts from the fp32 base frequencies that transformers and SGLang compute, with
+    their fp32 formula (transformers modeling_llama.py:105, sglang rotary_embedding/base.py:240-248):
+    1 ulp off the exact value is 2.4e-5 rad at position 2000, so below fp64 that rounding is part
+    of the model.
     """
     d, base = cfg.head_dim, cfg.rope_theta
     p = dict(cfg.rope_scaling or {})

@@ -3,11 +3,9 @@ adapters honour their Protocol and claims, tolerances and cases are well formed,
 """
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from conformance import stages
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
@@ -15,22 +13,16 @@ from conformance.compare import compare_traces
 from conformance.tolerances import DTYPES
 from conformance.tolerances import TOLERANCES, tol_for
 from fixtures.cases import ALL_CASES, CASES_BY_ID
-from fixtures.checkpoint import WEIGHTS_FILE, sha256
+from fixtures.checkpoint import WEIGHTS_FILE, edited_copy, sha256
 from reference.eagle3 import Eagle3Reference
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 GQA = CASES_BY_ID["gqa"]
 
 
-def planted_checkpoint(drafts, case, fmt, tmp_path, edit) -> "Path":
+def planted_checkpoint(drafts, case, fmt, tmp_path, edit):
     """A copy of the case's checkpoint in `fmt` with `edit(weights)` applied; the original is untouched."""
-    src = drafts.checkpoint(case)[fmt]
-    dst = tmp_path / fmt
-    shutil.copytree(src, dst)
-    weights = load_file(str(dst / WEIGHTS_FILE))
-    edit(weights)
-    save_file(weights, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
-    return dst
+    return edited_copy(drafts.checkpoint(case)[fmt], tmp_path / fmt, edit)
 
 
 def compare_planted(drafts, impl, case, ckpt_dir, batch=None):
