@@ -25,8 +25,8 @@ conformance: venv
 test: venv
 	$(PYTEST) -m cpu
 
-# Draft throughput (conformance/test_throughput.py). Figures are stored and compared per machine
-# class under $(BENCH_BASELINES)/<class>/ (`python -m conformance.throughput` prints this host's), in
+# Draft throughput (conformance/throughput/test_throughput.py). Figures are stored and compared per machine
+# class under $(BENCH_BASELINES)/<class>/ (`python -m conformance.throughput.throughput` prints this host's), in
 # units of the memory-roofline time measured in the same run: ratios, not seconds. On a CUDA host
 # select the GPU sweep: make bench-compare BENCH_MARK="benchmark and gpu".
 BENCH_BASELINES ?= benchmarks/baselines
@@ -34,7 +34,7 @@ BENCH_MARK ?= benchmark and not gpu
 BENCH_SELECT ?=
 BENCH_FAIL ?= median:50%
 BENCH_REPORT ?=
-BENCH_TESTS ?= conformance/test_throughput.py
+BENCH_TESTS ?= conformance/throughput/test_throughput.py
 # CPU threads per figure: one by default, so that a figure does not stall at thread barriers when
 # other processes share the cores (the thread count is part of the machine class).
 BENCH_THREADS ?= 1
@@ -56,7 +56,7 @@ bench-compare: venv
 
 # Refresh the README's support matrix from the known-divergence registry.
 support-matrix: venv
-	$(PY) -m conformance.support_matrix --write-readme
+	$(PY) -m conformance.core.support_matrix --write-readme
 
 clean-venv:
 	rm -rf $(VENV)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from conformance.report import Report, versions
+from conformance.core.report import Report, versions
 
 
 # Hypothesis profiles: `ci` (the default: derandomized, so every run draws the same examples), `dev`
@@ -49,7 +49,7 @@ def pytest_addoption(parser):
                          "requested vs effective speculative settings, and a setting served differently fails")
     group.addoption("--bench-baselines", metavar="DIR", default=None,
                     help="benchmark baselines root: stored and compared under DIR/<machine class>/ "
-                         "(sets --benchmark-storage; see conformance/throughput.py)")
+                         "(sets --benchmark-storage; see conformance/throughput/throughput.py)")
 
 
 def pytest_report_header(config):
@@ -84,7 +84,7 @@ def report() -> Report:
 
 @pytest.fixture(scope="session")
 def drafts(tmp_path_factory):
-    from conformance.harness import DraftStore
+    from conformance.core.harness import DraftStore
 
     return DraftStore(tmp_path_factory.mktemp("checkpoints"))
 
@@ -119,8 +119,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 # ---------------------------------------------------------------- benchmarks
 
 # Throughput plugin: enables benchmarks when `-m benchmark` selects them, machine info for
-# baselines, and the tokens/s + roofline table (conformance/throughput.py).
-pytest_plugins = ("conformance.throughput",)
+# baselines, and the tokens/s + roofline table (conformance/throughput/throughput.py).
+pytest_plugins = ("conformance.throughput.throughput",)
 
 
 # ---------------------------------------------------------------- bring your own draft
@@ -128,7 +128,7 @@ pytest_plugins = ("conformance.throughput",)
 def pytest_configure(config):
     """--draft-checkpoint and friends are validated before anything runs: a problem is one line
     naming the file and the field, and a usage error (exit code 4), not a test failure."""
-    from conformance.user_draft import configure_user_inputs
+    from conformance.user.user_draft import configure_user_inputs
 
     configure_user_inputs(config)
 
@@ -136,7 +136,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def user_draft(request, tmp_path_factory):
     """A UserDraftStore whose case `user_draft` is --draft-checkpoint (or, without it, a fixture draft)."""
-    from conformance.user_draft import make_user_store
+    from conformance.user.user_draft import make_user_store
 
     return make_user_store(request.config, tmp_path_factory.mktemp("user_draft"))
 
@@ -144,7 +144,7 @@ def user_draft(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def target_config(request) -> dict | None:
     """--target-config, parsed (model_type, architectures, hidden_size, num_hidden_layers, vocab_size), or None."""
-    from conformance.user_draft import TARGET_KEY
+    from conformance.user.user_draft import TARGET_KEY
 
     return request.config.stash.get(TARGET_KEY, None)
 
@@ -154,7 +154,7 @@ def target_config(request) -> dict | None:
 @pytest.fixture(scope="session")
 def wiring(tmp_path_factory):
     """A WiringStore: tiny targets (transformers and SGLang, same weights) and draft configs, built once."""
-    from conformance.wiring import WiringStore
+    from conformance.wiring.wiring import WiringStore
 
     return WiringStore(tmp_path_factory.mktemp("wiring"))
 
@@ -172,7 +172,7 @@ def trained_draft():
 @pytest.fixture(scope="session")
 def acceptance(trained_draft, tmp_path_factory):
     """Its predicted accept length, the simulation requests and each implementation's runs, once."""
-    from conformance.acceptance import AcceptanceStore
+    from conformance.acceptance.acceptance import AcceptanceStore
 
     return AcceptanceStore(trained_draft, tmp_path_factory.mktemp("acceptance"))
 
@@ -180,6 +180,6 @@ def acceptance(trained_draft, tmp_path_factory):
 @pytest.fixture(scope="session")
 def sglang_args(request) -> str:
     """--sglang-args, or the chain settings the trained draft conforms to."""
-    from conformance.sglang_settings import DEFAULT_SGLANG_ARGS
+    from conformance.adapters.sglang.settings import DEFAULT_SGLANG_ARGS
 
     return request.config.getoption("--sglang-args") or DEFAULT_SGLANG_ARGS

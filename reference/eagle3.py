@@ -288,7 +288,7 @@ class Eagle3Reference:
 
     @torch.no_grad()
     def run(self, batch: DraftBatch, steps: int = 1) -> list[dict[str, torch.Tensor]]:
-        """Draft `steps` TTT steps; returns one {stage name: tensor} per step (names in conformance.stages)."""
+        """Draft `steps` TTT steps; returns one {stage name: tensor} per step (names in conformance.core.stages)."""
         cfg, w, dt = self.cfg, self.w, self.dtype
         aux = batch.aux.to(dt)                                                        # [T, A*Ht]
         index_in_seq = batch.index_in_seq

@@ -18,7 +18,7 @@ from reference.eagle3 import DraftBatch, Eagle3Reference, rms_norm, rope_cos_sin
 # Which earlier tree nodes a node attends to (besides the prefix and itself):
 #   "ancestors": its ancestors, the exact tree (EAGLE's tree mask);
 #   "row_slots": the nodes that held its row at earlier depths; SGLang's draft KV layout, where tree
-#                row r always reads and writes column r (see conformance/test_tree.py). Only there to
+#                row r always reads and writes column r (see conformance/draft/test_tree.py). Only there to
 #                show that this layout alone explains SGLang's tree divergence.
 KV_RULES = ("ancestors", "row_slots")
 

@@ -2,7 +2,7 @@
 
 An adapter loads a checkpoint directory through the implementation's own loading path and runs the
 draft on a packed `DraftBatch` (reference/eagle3.py), returning a Trace: per draft step, the
-canonical stages of conformance/stages.py. Implementation layouts are mapped inside the adapter.
+canonical stages of conformance/core/stages.py. Implementation layouts are mapped inside the adapter.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from conformance import stages
+from conformance.core import stages
 from conformance.adapters.base import Trace, batch_on
 from fixtures.checkpoint import read_speculators_config, read_weights
 from reference.eagle3 import DraftBatch, Eagle3Config, Eagle3Reference

@@ -2,7 +2,7 @@
 
 The checkpoint goes through speculators' own config class and its transformers loading path, the
 TTT forward is speculators' own, and every stage is read by forward hooks (observation only) on its
-modules, mapped to the canonical names of conformance/stages.py (`eagle3-semantics.md` §1.1).
+modules, mapped to the canonical names of conformance/core/stages.py (`eagle3-semantics.md` §1.1).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from safetensors import safe_open
 
-from conformance import stages
+from conformance.core import stages
 from conformance.adapters.base import Trace, batch_on
 from fixtures.checkpoint import WEIGHTS_FILE
 from reference.eagle3 import DraftBatch, Eagle3Config

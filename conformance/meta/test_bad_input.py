@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conformance.user_draft import configure_user_inputs, input_files, validate_inputs
+from conformance.user.user_draft import configure_user_inputs, input_files, validate_inputs
 from fixtures.checkpoint import sha256
-from fixtures.example_draft import write_example
-from fixtures.formats import CheckpointError
+from conformance.user.example_draft import write_example
+from conformance.checkpoints.formats import CheckpointError
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 ROOT = Path(__file__).resolve().parents[2]
@@ -203,7 +203,7 @@ def test_bad_input_is_a_usage_error_of_pytest(bad, inputs):
     bad.edit(*inputs)
     before = {p: sha256(p) for p in input_files(*inputs)}
     result = run_pytest("--draft-checkpoint", str(draft), "--training-data", str(data), "--hidden-states", str(dump),
-                        "--target-config", str(target), "conformance/test_user_draft.py")
+                        "--target-config", str(target), "conformance/user/test_user_draft.py")
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert result.returncode == 4, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr}"
     assert len(lines) == 1 and lines[0].startswith("ERROR: ") and bad.words in lines[0], lines

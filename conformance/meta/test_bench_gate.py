@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.throughput import SLOWDOWN_ENV, host_device, machine_class
+from conformance.throughput.throughput import SLOWDOWN_ENV, host_device, machine_class
 
 pytestmark = [pytest.mark.benchmark, pytest.mark.meta]
 

@@ -13,7 +13,7 @@ import torch
 from conformance.adapters import ADAPTERS
 from fixtures.cases import ALL_CASES, CASES_BY_ID
 from fixtures.checkpoint import read_speculators_config, write_checkpoints
-from fixtures.formats import (WRITABLE, CheckpointError, ConversionError, convert, detect_format, expected_tensors,
+from conformance.checkpoints.formats import (WRITABLE, CheckpointError, ConversionError, convert, detect_format, expected_tensors,
                               open_checkpoint, read_weights, write_draft)
 from fixtures.tiny import make_config, make_draft_weights
 
@@ -157,7 +157,7 @@ def test_expected_tensors_match_the_tiny_weight_factory(case):
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.id)
 def test_reader_agrees_with_the_harness_speculators_reader(case, tmp_path):
-    """fixtures/formats.py and fixtures/checkpoint.read_speculators_config read the same knobs."""
+    """conformance/checkpoints/formats.py and fixtures/checkpoint.read_speculators_config read the same knobs."""
     dirs = write_checkpoints(case.config, weights_of(case.config), tmp_path)
     assert open_checkpoint(dirs["speculators"]).config == read_speculators_config(dirs["speculators"]) == case.config
     assert open_checkpoint(dirs["sglang"]).config == case.config

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance import stages
+from conformance.core import stages
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
-from conformance.compare import compare_traces
-from conformance.tolerances import DTYPES
-from conformance.tolerances import TOLERANCES, tol_for
+from conformance.core.compare import compare_traces
+from conformance.core.tolerances import DTYPES
+from conformance.core.tolerances import TOLERANCES, tol_for
 from fixtures.cases import ALL_CASES, CASES_BY_ID
 from fixtures.checkpoint import WEIGHTS_FILE, edited_copy, sha256
 from reference.eagle3 import Eagle3Reference
@@ -153,7 +153,7 @@ def test_runs_are_bitwise_deterministic(impl, drafts):
 
 def test_sglang_cpu_adjustment_is_the_documented_one():
     """The only runtime adjustment: SGLang's rotary module treats this host as a CPU (see adapters/sglang.py)."""
-    from conformance.adapters.sglang import ensure_runtime
+    from conformance.adapters.sglang.draft import ensure_runtime
 
     runtime = ensure_runtime()
     adjustments = runtime["adjustments"]

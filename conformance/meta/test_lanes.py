@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conformance.adapters import ADAPTERS
-from conformance.throughput import DECODE, EXTEND, BenchCase, step_bytes
+from conformance.throughput.throughput import DECODE, EXTEND, BenchCase, step_bytes
 from fixtures.cases import CASES_BY_ID
 from fixtures.checkpoint import WEIGHTS_FILE
 
@@ -29,7 +29,7 @@ WORKFLOW = ROOT / ".github" / "workflows" / "conformance.yml"
 GPU_SKIP_REASON = "gpu: torch.cuda.is_available() is False"
 # The modules with gpu tests (collecting only them keeps this self-test quick; the gate in conftest.py
 # acts on whatever `-m gpu` selects).
-GPU_MODULES = ("conformance/test_gpu.py", "conformance/test_throughput.py")
+GPU_MODULES = ("conformance/draft/test_gpu.py", "conformance/throughput/test_throughput.py")
 
 
 def run_pytest(*args: str) -> subprocess.CompletedProcess:

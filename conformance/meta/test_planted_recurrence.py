@@ -13,7 +13,7 @@ import torch
 
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import Trace
-from conformance.compare import compare_traces
+from conformance.core.compare import compare_traces
 from conformance.meta.test_harness import assert_names_stage
 from fixtures.cases import CASES_BY_ID
 from reference.eagle3 import Eagle3Reference

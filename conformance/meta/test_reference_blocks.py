@@ -3,7 +3,7 @@
 RMSNorm, MLP, rotary (default, linear, llama3, yarn) and attention (GQA, explicit head_dim, biases,
 causal mask) are each run through `transformers.models.llama.modeling_llama` on the same weights and
 inputs, in fp32 (HF's RMSNorm computes in fp32 whatever the input dtype), under the fp32 tolerances
-of conformance/tolerances.py.
+of conformance/core/tolerances.py.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama import modeling_llama as hf
 
-from conformance.compare import compare_tensors
+from conformance.core.compare import compare_tensors
 from fixtures.tiny import ROPE_SCALINGS, make_config, with_changes
 from reference import eagle3 as ref
 

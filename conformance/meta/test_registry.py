@@ -1,4 +1,4 @@
-"""Self-tests of the known-divergence registry (conformance/known_divergences.toml).
+"""Self-tests of the known-divergence registry (conformance/core/known_divergences.toml).
 
 Every entry must match a case and still diverge exactly where it says (so removing it turns those
 cases into failures naming the stage); a bogus or malformed entry must be caught.
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance.harness import LoadFailed, compare_with_reference
-from conformance.known_divergences import (KNOWN_DIVERGENCES, LOAD, KnownDivergence, RegistryError,
+from conformance.core.harness import LoadFailed, compare_with_reference
+from conformance.core.registry import (KNOWN_DIVERGENCES, LOAD, KnownDivergence, RegistryError,
                                            load_registry)
 from fixtures.cases import ALL_CASES
 
@@ -74,7 +74,7 @@ def test_a_malformed_registry_is_a_one_line_error(text, field, tmp_path: Path):
 
 
 def test_readme_support_matrix_is_current():
-    from conformance.support_matrix import README, readme_block
+    from conformance.core.support_matrix import README, readme_block
 
     assert readme_block() in README.read_text(), "README's support matrix is stale: run `make support-matrix`"
 
@@ -82,7 +82,7 @@ def test_readme_support_matrix_is_current():
 def test_an_uninstalled_implementation_has_no_known_divergence(monkeypatch):
     """A host without SGLang (e.g. a GPU box running only speculators) must collect, and SGLang's
     tests there must fail on the import rather than pass as expected failures."""
-    import conformance.known_divergences as kd
+    import conformance.core.registry as kd
 
     entry = next(e for e in KNOWN_DIVERGENCES if e.impl == "sglang")
     case = next(c for c in ALL_CASES if entry.applies(c))

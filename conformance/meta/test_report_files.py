@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
-from conformance.compare import compare_traces
-from conformance.report import CHART_FILE, Report
+from conformance.core.compare import compare_traces
+from conformance.core.report import CHART_FILE, Report
 from fixtures.cases import CASES_BY_ID
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]

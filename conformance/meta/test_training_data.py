@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from fixtures.formats import CheckpointError
+from conformance.checkpoints.formats import CheckpointError
 from fixtures.tiny import make_config
-from fixtures.training_data import (MAX_TOKENS, TinyTarget, first_samples, load_samples, make_data_batch, read_dump,
+from conformance.checkpoints.training_data import (MAX_TOKENS, TinyTarget, first_samples, load_samples, make_data_batch, read_dump,
                                     write_dump, write_samples)
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
@@ -117,7 +117,7 @@ def test_broken_dump_is_named(edit, words, tmp_path):
 
 
 def test_long_samples_are_cut_for_the_batch():
-    from fixtures.training_data import Sample
+    from conformance.checkpoints.training_data import Sample
     long = Sample(1, tuple(range(100)), (0,) * 10 + (1,) * 90, 10, "x")
     cut = first_samples([long] * 9)
     assert len(cut) == 4 and len(cut[0].input_ids) == MAX_TOKENS + 1

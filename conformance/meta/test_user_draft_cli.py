@@ -9,9 +9,9 @@ import json
 import pytest
 
 from conformance.meta.test_bad_input import run_pytest
-from conformance.user_draft import input_files
+from conformance.user.user_draft import input_files
 from fixtures.checkpoint import sha256
-from fixtures.example_draft import write_example
+from conformance.user.example_draft import write_example
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 
@@ -21,7 +21,7 @@ def test_a_broken_draft_fails_and_the_report_names_why(tmp_path):
     before = {p: sha256(p) for p in input_files(draft, data, dump)}
     out = tmp_path / "out"
     result = run_pytest("-m", "cpu", "--draft-checkpoint", str(draft), "--training-data", str(data),
-                        "--hidden-states", str(dump), "--report", str(out), "conformance/test_user_draft.py",
+                        "--hidden-states", str(dump), "--report", str(out), "conformance/user/test_user_draft.py",
                         "-k", "step0 and fp32 or accounting or untouched")
     assert result.returncode == 1, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert {p.name for p in out.iterdir()} >= {"report.json", "report.md", "stage_error.png"}

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.adapters.sglang_target import AuxIds, DraftConfigRefused, sglang_aux_layer_ids
-from conformance.compare import OK, compare_tensors
-from conformance.wiring import (
+from conformance.adapters.sglang.target import AuxIds, DraftConfigRefused, sglang_aux_layer_ids
+from conformance.core.compare import OK, compare_tensors
+from conformance.wiring.wiring import (
     CASES_BY_ID, KNOWN_WIRING, MISSING, N, SEED_LAYERS, WRONG, compare_capture, known_wiring, layer_list, shrink,
     wiring_matrix,
 )
@@ -125,7 +125,7 @@ def test_every_known_wiring_entry_matches_a_case():
 def test_capture_only_target_still_cannot_run(target, wiring):
     """The reason a class is only exercised through set_eagle3_layers_to_capture still holds; when SGLang
     fixes it, this fails and the class belongs in TARGETS (with a transformers counterpart)."""
-    from conformance.adapters.sglang_target import CaptureFailed, build_target
+    from conformance.adapters.sglang.target import CaptureFailed, build_target
     from fixtures.targets import make_target_input, write_target_config
 
     built = build_target(target, write_target_config(target, wiring.root / "no_forward" / target.id))
@@ -139,7 +139,7 @@ def test_capture_only_target_still_cannot_run(target, wiring):
 def test_building_targets_leaves_the_global_generator_alone(tmp_path):
     """transformers and SGLang initialise some modules from torch's global generator; the store forks it,
     so whether the wiring tests ran first never changes what another test draws."""
-    from conformance.wiring import WiringStore
+    from conformance.wiring.wiring import WiringStore
 
     before = torch.random.get_rng_state().clone()
     WiringStore(tmp_path).serve(TARGETS_BY_ID["kimi_k25"], CASES_BY_ID["speculators_default"], "sglang")
@@ -153,7 +153,7 @@ def test_speculators_id_rules_are_speculators_own(wiring):
 
     from speculators.models.utils import resolve_target_layer_ids
 
-    from conformance.wiring import TRAINERS, TRAINING_CASES
+    from conformance.wiring.wiring import TRAINERS, TRAINING_CASES
     from fixtures.targets import write_target_config
 
     verifier = str(write_target_config(TARGETS_BY_ID["llama"], wiring.root / "speculators_verifier"))

@@ -1,0 +1,397 @@
+"""From training accuracy to accept length: speculators' prediction vs simulated speculative decoding.
+
+Predicted: 1 + sum_{k<K} full_acc_k from speculators' own metrics on held-out greedy continuations.
+Simulated: greedy chain speculative decoding of the same target with the draft served by each adapter
+as the drafter, verified against the target's argmax (accept length = accepted drafts + 1 per round).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from conformance.adapters import ADAPTERS
+from conformance.adapters.base import Trace
+from conformance.core.compare import Comparison, compare_traces
+from fixtures.checkpoint import WEIGHTS_FILE
+from fixtures.trained_draft import GreedyTarget, TrainedDraft, collate, loss_config, one_thread, speculators_items
+from reference.eagle3 import DraftBatch
+from reference.speculative import AcceptStats, accepted_drafts, predicted_accept_length
+
+K_MAX = 5                   # draft steps simulated (every K <= K_MAX comes from the same rounds)
+REQUESTS_PER_SEQUENCE = 8   # verify rounds drawn per held-out sequence (64 sequences: 512 rounds)
+CHUNK = 16                  # requests per drafter call
+REQUEST_SEED = 11
+
+# drafter(draft rows of n requests, their token contexts x_0..x_p, K) -> [n, K] drafted target ids
+Drafter = Callable[[DraftBatch, list[torch.Tensor], int], torch.Tensor]
+
+
+# ---------------------------------------------------------------- predicted: speculators' metrics
+
+@dataclass(frozen=True)
+class Prediction:
+    full_acc: list[float]     # per TTT step k: fraction of starts whose drafts 0..k are all correct
+    cond_acc: list[float]     # per step k: fraction correct among starts correct at steps < k
+    starts: int               # held-out starts scored at step 0
+
+    def accept_length(self, K: int) -> float:
+        return predicted_accept_length(self.full_acc, K)
+
+
+@one_thread()
+def speculators_prediction(trained: TrainedDraft, steps: int = K_MAX) -> Prediction:
+    """speculators' training forward with its loss and metrics on every held-out sequence.
+
+    The draft loads through the speculators adapter; the teacher (verifier_lm_head = the target's
+    lm_head rows of the draft vocabulary, verifier_norm) through speculators' own
+    load_verifier_weights from the target directory, as `from_training_args` does. One sequence per
+    forward: speculators' teacher forcing shifts across packed sequences (core.py:332-338).
+    """
+    loaded = ADAPTERS["speculators"]().load(trained.checkpoints["speculators"], torch.float32)
+    model = loaded.model
+    model.config.speculators_config.verifier.name_or_path = str(trained.target_dir)
+    model.load_verifier_weights()
+    target = trained.target()
+    aux_ids = trained.config.aux_layer_ids
+    totals: dict[str, float] = {}
+    ids = trained.heldout_ids
+    _, aux, last = target.run(ids, aux_ids)
+    losses = loss_config(trained.recipe)
+    with torch.no_grad():
+        for item in speculators_items(ids, aux, last):
+            batch = collate([item], trained.config.hidden_size, trained.config.num_aux_hidden_states)
+            _, _, metrics = model(**batch, ttt_steps=steps, loss_config=losses)
+            for name, value in metrics.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+    full = [totals[f"full_acc_{k}_sum"] / totals[f"full_acc_{k}_total"] for k in range(steps)]
+    cond = [totals[f"cond_acc_{k}_sum"] / totals[f"cond_acc_{k}_total"] for k in range(steps)]
+    return Prediction(full, cond, int(totals["full_acc_0_total"]))
+
+
+# ---------------------------------------------------------------- simulated: one verify round per request
+
+@dataclass(frozen=True)
+class Request:
+    seq: int          # held-out sequence
+    prompt_len: int   # the server's prompt: its first prompt_len tokens; the draft starts at row prompt_len - 1
+
+
+def make_requests(trained: TrainedDraft, per_sequence: int = REQUESTS_PER_SEQUENCE,
+                  seed: int = REQUEST_SEED) -> list[Request]:
+    """Prompt lengths drawn uniformly (with replacement) so that the round's start row is uniform over
+    the rows 1..eval_tokens that full_acc_0 scores (row 0 reads a prompt token: no round starts there)."""
+    r = trained.recipe
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = r.prompt_tokens, r.prompt_tokens + r.eval_tokens - 1      # start rows 1 .. eval_tokens
+    lengths = torch.randint(lo, hi + 1, (trained.heldout_ids.shape[0], per_sequence), generator=g)
+    return [Request(s, int(p)) for s in range(lengths.shape[0]) for p in lengths[s]]
+
+
+def right_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    T = max(len(r) for r in rows)
+    return torch.stack([torch.cat([r, r.new_zeros(T - len(r))]) for r in rows])
+
+
+def draft_and_verify(drafter: Drafter, target: GreedyTarget, prompts: list[torch.Tensor],
+                     aux_ids: tuple[int, ...], K: int):
+    """One greedy verify round for each prompt: the target's prefill gives the pending token (its
+    argmax) and the draft's input (its aux states), the draft proposes K tokens, the target checks
+    them. -> (contexts x_0..x_p with the pending token, drafts [n, K], accepted drafts [n])."""
+    argmax, aux, _ = target.run(right_padded(prompts), aux_ids)
+    n = [len(p) for p in prompts]
+    pending = torch.stack([argmax[j, n[j] - 1] for j in range(len(prompts))])
+    contexts = [torch.cat([p, pending[j:j + 1]]) for j, p in enumerate(prompts)]
+    # Draft rows t = 0..p-1: (aux g_t, token x_{t+1}); the last row holds the pending token.
+    batch = DraftBatch(aux=torch.cat([aux[j, :n[j]] for j in range(len(prompts))]),
+                       input_ids=torch.cat([c[1:] for c in contexts]),
+                       positions=torch.cat([torch.arange(m) for m in n]),
+                       seq_ids=torch.cat([torch.full((m,), j) for j, m in enumerate(n)]))
+    drafts = drafter(batch, contexts, K)
+    argmax, _, _ = target.run(right_padded([torch.cat([c, drafts[j]]) for j, c in enumerate(contexts)]), aux_ids)
+    # The target's choice after the pending token (position p) and after each draft.
+    choice = torch.stack([argmax[j, m:m + K] for j, m in enumerate(n)])
+    return contexts, drafts, accepted_drafts(drafts, choice)
+
+
+@one_thread()
+def simulate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, requests: list[Request],
+             K: int = K_MAX, aux_layer_ids: tuple[int, ...] | None = None) -> AcceptStats:
+    """One greedy verify round per request (prompt: a held-out prefix of the request's length).
+
+    `aux_layer_ids`: what the serving side captures (default: what the draft was trained on).
+    """
+    aux_ids = aux_layer_ids or trained.config.aux_layer_ids
+    ids = trained.heldout_ids
+    accepted = []
+    for i in range(0, len(requests), CHUNK):
+        prompts = [ids[r.seq, :r.prompt_len] for r in requests[i:i + CHUNK]]
+        accepted.append(draft_and_verify(drafter, target, prompts, aux_ids, K)[2])
+    return AcceptStats(torch.cat(accepted))
+
+
+@one_thread()
+def generate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, sequences: int, new_tokens: int,
+             K: int) -> tuple[torch.Tensor, AcceptStats]:
+    """Whole generations: greedy chain speculative decoding of `new_tokens` tokens from the first
+    `sequences` held-out prompts, round after round (each round commits the accepted drafts and the
+    target's bonus token). -> (the generated sequences, every round's accepted drafts).
+
+    Unlike simulate(), where a round starts here depends on how much the previous rounds accepted.
+    """
+    P = trained.recipe.prompt_tokens
+    seqs = [trained.heldout_ids[i, :P] for i in range(sequences)]
+    accepted = []
+    while active := [i for i in range(sequences) if len(seqs[i]) - P < new_tokens]:
+        contexts, drafts, acc = draft_and_verify(drafter, target, [seqs[i] for i in active],
+                                                 trained.config.aux_layer_ids, K)
+        for j, i in enumerate(active):
+            seqs[i] = torch.cat([contexts[j], drafts[j, :acc[j]]])   # the bonus is the next round's pending token
+        accepted.append(acc)
+    return torch.stack([s[:P + new_tokens] for s in seqs]), AcceptStats(torch.cat(accepted))
+
+
+# ---------------------------------------------------------------- drafters
+
+def last_rows(batch: DraftBatch) -> torch.Tensor:
+    return torch.bincount(batch.seq_ids).cumsum(0) - 1
+
+
+def run_ids(loaded, batch: DraftBatch, steps: int) -> Trace:
+    """An adapter's run without stage hooks where it has that switch: only the ids are read."""
+    if "record" in inspect.signature(loaded.run).parameters:
+        return loaded.run(batch, steps, record=False)
+    return loaded.run(batch, steps)
+
+
+def trace_drafter(loaded) -> Drafter:
+    """Reference and SGLang: their own free-running drafting (each step embeds the previous step's
+    d2t-mapped argmax; SGLang: EXTEND, then DECODE passes); the chain at each request's last row."""
+    def draft(batch: DraftBatch, contexts: list[torch.Tensor], K: int) -> torch.Tensor:
+        trace = run_ids(loaded, batch, K)
+        last = last_rows(batch)
+        chain = []
+        for k in range(K):
+            ids, rows = trace.get(k, "target_ids")
+            chain.append(ids[last] if rows is None else ids)
+        return torch.stack(chain, dim=1)
+    return draft
+
+
+def speculators_drafter(loaded) -> Drafter:
+    """speculators drafts by teacher forcing only: TTT step k of row t embeds input_ids[t + k]
+    (core.py:332-338). Its own drafts are fed back by appending them as rows after each request's
+    last row and running again with one more step: K runs, the k-th with k steps.
+
+    Why the appended rows never change the chain of the last row t (read in speculators 0.9.0): at
+    step 0 row t attends to keys s <= t of its own document (attention.py:16-27: causal and document
+    masks), at steps >= 1 in addition only to its own earlier-step keys, the diagonal blocks that
+    extend_dense_mask_for_draft_tokens appends (attention.py:115-143); norms, MLP, fc and lm_head act
+    per row. So all row t takes from a later row is the token input_ids[t + k] it embeds at step k:
+    the draft d_k put there. The appended rows' own outputs are never read.
+    """
+    def draft(batch: DraftBatch, contexts: list[torch.Tensor], K: int) -> torch.Tensor:
+        counts = torch.bincount(batch.seq_ids).tolist()
+        first = torch.tensor([0] + counts[:-1]).cumsum(0).tolist()
+        extra = K - 1
+        grown_len = [c + extra for c in counts]
+        grown_first = torch.tensor([0] + grown_len[:-1]).cumsum(0).tolist()
+        own = torch.cat([torch.arange(c) + g for c, g in zip(counts, grown_first)])   # old row -> new row
+        T = sum(grown_len)
+        aux = batch.aux.new_zeros(T, batch.aux.shape[1])       # appended rows: zeros, never attended by t
+        aux[own] = batch.aux
+        input_ids = batch.input_ids.new_zeros(T)
+        input_ids[own] = batch.input_ids
+        positions = torch.cat([torch.arange(n) + batch.positions[f] for n, f in zip(grown_len, first)])
+        seq_ids = torch.cat([torch.full((n,), j) for j, n in enumerate(grown_len)])
+        last = own[last_rows(batch)]
+        chain = []
+        for k in range(K):
+            grown = DraftBatch(aux=aux, input_ids=input_ids.clone(), positions=positions, seq_ids=seq_ids)
+            d = run_ids(loaded, grown, k + 1).steps[k]["target_ids"][last]
+            chain.append(d)
+            if k < extra:
+                input_ids[last + k + 1] = d   # what row t embeds at step k + 1
+        return torch.stack(chain, dim=1)
+    return draft
+
+
+def oracle_drafter(target: GreedyTarget) -> Drafter:
+    """vLLM's oracle check: a 'draft' that is the target's own greedy next-token rule, run through the
+    same loop; every draft must be accepted (accept length K + 1)."""
+    def draft(batch: DraftBatch, contexts: list[torch.Tensor], K: int) -> torch.Tensor:
+        seqs = [c.clone() for c in contexts]
+        chain = []
+        for _ in range(K):
+            argmax, _, _ = target.run(right_padded(seqs), (0,))
+            nxt = torch.stack([argmax[j, len(s) - 1] for j, s in enumerate(seqs)])
+            chain.append(nxt)
+            seqs = [torch.cat([s, nxt[j:j + 1]]) for j, s in enumerate(seqs)]
+        return torch.stack(chain, dim=1)
+    return draft
+
+
+def grouped(drafter: Drafter, size: int) -> Drafter:
+    """`drafter` on groups of `size` requests at a time: the reference's and speculators' attention is
+    dense over the whole packed batch (quadratic in its rows), SGLang's runs per request."""
+    def draft(batch: DraftBatch, contexts: list[torch.Tensor], K: int) -> torch.Tensor:
+        counts = torch.bincount(batch.seq_ids).tolist()
+        out, row = [], 0
+        for i in range(0, len(counts), size):
+            rows = slice(row, row + sum(counts[i:i + size]))
+            sub = DraftBatch(aux=batch.aux[rows], input_ids=batch.input_ids[rows],
+                             positions=batch.positions[rows], seq_ids=batch.seq_ids[rows] - i)
+            out.append(drafter(sub, contexts[i:i + size], K))
+            row = rows.stop
+        return torch.cat(out)
+    return draft
+
+
+GROUP = {"reference": 4, "speculators": 8, "sglang": CHUNK}   # requests per drafter call (fastest on CPU)
+
+
+def make_drafter(impl: str, checkpoints: dict[str, Path]) -> Drafter:
+    """The draft in `checkpoints` (format -> directory) loaded through `impl`'s own path, in fp32."""
+    adapter = ADAPTERS[impl]()
+    loaded = adapter.load(checkpoints[adapter.checkpoint_format], torch.float32)
+    drafter = speculators_drafter(loaded) if impl == "speculators" else trace_drafter(loaded)
+    return grouped(drafter, GROUP[impl])
+
+
+# ---------------------------------------------------------------- planted wiring faults
+
+def _fc_passes_first_chunk(w: dict) -> None:
+    H = w["fc.weight"].shape[0]
+    w["fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, w["fc.weight"].shape[1] - H)], dim=1)
+
+
+def _d2t_read_one_off(w: dict) -> None:
+    w["d2t"] = torch.roll(w["d2t"], 1)   # draft id i maps to target id i + d2t[i - 1]
+
+
+def _residual_after_norm(config: dict) -> None:
+    config["norm_before_residual"] = True
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One wiring mistake planted into a copy of the trained draft (or into what the server captures)."""
+
+    id: str
+    summary: str
+    host: str                        # the adapter that serves the faulty draft
+    stage: str                       # the first stage where it must show
+    weights: Callable[[dict], None] | None = None   # edits the checkpoint tensors (both formats)
+    config: Callable[[dict], None] | None = None    # edits the speculators-format config.json
+    served_aux: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None   # trained ids -> captured ids
+
+
+FAULTS: tuple[Fault, ...] = (
+    Fault("aux_layers_shifted", "the served capture list starts at the embedding output, each chunk the one "
+          "before it: (0, 2, 5) for (2, 5, 7), the [embed, layer3, layer31] for [layer3, layer31, layer59] "
+          "class (field-evidence.md §0)", "sglang", "aux_in", served_aux=lambda ids: (0, *ids[:-1])),
+    Fault("fc_skipped", "fc passes the first aux chunk through: layer 0 reads a raw target state, as when "
+          "SGLang skips fc (models/llama_eagle3.py:238)", "sglang", "fc_out", weights=_fc_passes_first_chunk),
+    Fault("residual_after_norm", "layer 0 adds attention to the normed hidden (norm_before_residual set; "
+          "trained without)", "reference", "layers.0.residual", config=_residual_after_norm),
+    Fault("d2t_off_by_one", "d2t read one entry off: each draft id maps to its neighbour's target id + 1",
+          "sglang", "target_ids", weights=_d2t_read_one_off),
+)
+FAULTS_BY_ID = {f.id: f for f in FAULTS}
+FAULT_REQUESTS = 128   # verify rounds per fault (the first ones of the correct run: a paired comparison)
+
+
+def plant(fault: Fault, trained: TrainedDraft, root: Path) -> dict[str, Path]:
+    """Copies of both checkpoint directories with the fault applied; the trained draft is untouched."""
+    out = {}
+    for fmt, src in trained.checkpoints.items():
+        dst = root / fault.id / fmt
+        shutil.copytree(src, dst)
+        if fault.weights:
+            weights = load_file(str(dst / WEIGHTS_FILE))
+            fault.weights(weights)
+            save_file(weights, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
+        if fault.config and fmt == "speculators":
+            raw = json.loads((dst / "config.json").read_text())
+            fault.config(raw)
+            (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        out[fmt] = dst
+    return out
+
+
+def served_aux_ids(trained: TrainedDraft, fault: Fault | None = None) -> tuple[int, ...]:
+    """The target layers the server captures (training convention: input of layer i)."""
+    ids = tuple(trained.config.aux_layer_ids)
+    return fault.served_aux(ids) if fault and fault.served_aux else ids
+
+
+def probe_batch(trained: TrainedDraft, target: GreedyTarget, aux_ids: tuple[int, ...], sequences: int = 3) -> DraftBatch:
+    """The first held-out sequences as one packed batch: rows (aux g_t, token x_{t+1})."""
+    ids = trained.heldout_ids[:sequences]
+    _, aux, _ = target.run(ids, aux_ids)
+    T = ids.shape[1] - 1
+    return DraftBatch(aux=aux[:, :T].reshape(-1, aux.shape[-1]), input_ids=ids[:, 1:].reshape(-1),
+                      positions=torch.arange(T).repeat(ids.shape[0]),
+                      seq_ids=torch.arange(ids.shape[0]).repeat_interleave(T))
+
+
+@one_thread()
+def first_divergence(trained: TrainedDraft, target: GreedyTarget, impl: str, checkpoints: dict[str, Path],
+                     aux_ids: tuple[int, ...], case_id: str) -> Comparison:
+    """compare_traces of `impl` serving `checkpoints` (fed `aux_ids`) against the correctly wired
+    reference run on the same held-out rows: the first stage where they part."""
+    adapter = ADAPTERS[impl]()
+    actual = adapter.load(checkpoints[adapter.checkpoint_format], torch.float32).run(
+        probe_batch(trained, target, aux_ids), 1)
+    expected = ADAPTERS["reference"]().load(trained.checkpoints["speculators"], torch.float32).run(
+        probe_batch(trained, target, served_aux_ids(trained)), 1)
+    return compare_traces(actual, expected, ADAPTERS[impl].claimed_stages, trained.config.num_hidden_layers, case_id)
+
+
+# ---------------------------------------------------------------- one store per session
+
+class AcceptanceStore:
+    """The trained draft's prediction, requests and per-implementation runs, each computed once."""
+
+    def __init__(self, trained: TrainedDraft, root: Path):
+        self.trained, self.root = trained, root
+        self._target: GreedyTarget | None = None
+        self._prediction: Prediction | None = None
+        self._stats: dict[str, AcceptStats] = {}
+        self.requests = make_requests(trained)
+
+    @property
+    def target(self) -> GreedyTarget:
+        if self._target is None:
+            self._target = self.trained.target()
+        return self._target
+
+    @property
+    def prediction(self) -> Prediction:
+        if self._prediction is None:
+            self._prediction = speculators_prediction(self.trained)
+        return self._prediction
+
+    def simulated(self, impl: str) -> AcceptStats:
+        if impl not in self._stats:
+            drafter = make_drafter(impl, self.trained.checkpoints)
+            self._stats[impl] = simulate(drafter, self.trained, self.target, self.requests)
+        return self._stats[impl]
+
+    def faulty(self, fault: Fault) -> tuple[AcceptStats, AcceptStats, Comparison]:
+        """(correct, faulty) stats over the same first FAULT_REQUESTS rounds, and the first divergence."""
+        planted = plant(fault, self.trained, self.root)
+        aux_ids = served_aux_ids(self.trained, fault)
+        requests = self.requests[:FAULT_REQUESTS]
+        stats = simulate(make_drafter(fault.host, planted), self.trained, self.target, requests,
+                         aux_layer_ids=aux_ids)
+        correct = AcceptStats(self.simulated(fault.host).accepted[:FAULT_REQUESTS])
+        comparison = first_divergence(self.trained, self.target, fault.host, planted, aux_ids,
+                                      f"trained_draft:{fault.id}")
+        return correct, stats, comparison

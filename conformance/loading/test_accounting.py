@@ -1,0 +1,166 @@
+"""Strict weight accounting, per implementation and case: every checkpoint tensor landed (bit-exact)
+in a parameter, no parameter left unloaded, nothing dropped silently; plus the d2t/t2d invariants.
+The planted tests show each kind of problem is caught and named.
+"""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from conformance.loading.accounting import account, knob_rows, vocab_map_problems
+from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
+from conformance.core.registry import known_divergence
+from fixtures.cases import CASES_BY_ID, STEP0_CASES
+from fixtures.checkpoint import WEIGHTS_FILE, edited_copy, sha256
+from fixtures.tiny import make_config, make_vocab_map
+
+pytestmark = pytest.mark.cpu
+IMPLS = ("reference", *IMPLEMENTATIONS)
+_ACCOUNTS: dict = {}
+
+
+def accounts_of(drafts, case) -> dict:
+    """All three accounts of one case (fp32), computed once per session."""
+    if case.id not in _ACCOUNTS:
+        dirs = drafts.checkpoint(case)
+        _ACCOUNTS[case.id] = {impl: account(impl, dirs[ADAPTERS[impl].checkpoint_format]) for impl in IMPLS}
+    return _ACCOUNTS[case.id]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", STEP0_CASES, ids=lambda c: c.id)
+def test_every_tensor_is_accounted_for(case, impl, drafts, report, repro):
+    accounts = accounts_of(drafts, case)
+    acct = accounts[impl]
+    report.add_row("weight accounting", acct.row(case.id))
+    if impl == IMPLEMENTATIONS[0]:   # the knobs that disagree, once per case
+        for row in knob_rows(case.id, list(accounts.values()), only_disagreements=True):
+            report.add_row("effective knobs", row)
+    if not acct.problems:
+        return
+    message = f"{impl} weight accounting [{case.id}]: " + "; ".join(acct.problems) + f"\n  repro: {repro}"
+    known = known_divergence(impl, case)
+    if known is not None:   # the load-time face of a registered divergence, demonstrated just now
+        pytest.xfail(f"{message}\n  known: {known.describe()}")
+    raise AssertionError(message)
+
+
+# ---------------------------------------------------------------- planted problems (harness self-tests)
+
+def planted(drafts, case, fmt, tmp_path, edit):
+    return edited_copy(drafts.checkpoint(case)[fmt], tmp_path / fmt, edit)
+
+
+GQA = CASES_BY_ID["gqa"]
+
+
+@pytest.mark.meta
+def test_sglang_silent_drop_is_named(drafts, tmp_path):
+    """An unknown tensor reaches no SGLang parameter (load_weights skips it, llama_eagle3.py:371-378)."""
+    def edit(w):
+        w["layers.0.self_attn.q_norm.weight"] = torch.ones(12)
+    acct = account("sglang", planted(drafts, GQA, "sglang", tmp_path, edit))
+    assert acct.dropped == ["layers.0.self_attn.q_norm.weight"]
+    assert "dropped silently: layers.0.self_attn.q_norm.weight" in acct.problems
+
+
+@pytest.mark.meta
+def test_sglang_parameter_never_loaded_is_named(drafts, tmp_path):
+    def edit(w):
+        del w["layers.0.post_attention_layernorm.weight"]
+    acct = account("sglang", planted(drafts, GQA, "sglang", tmp_path, edit))
+    assert acct.never_loaded == ["model.layers.0.post_attention_layernorm.weight"]
+
+
+@pytest.mark.meta
+def test_sglang_fused_shards_are_mapped_back(drafts):
+    """q/k/v land in rows [0:nh*hd], [nh*hd:+nkv*hd], [..:+nkv*hd] of qkv_proj; gate/up in halves of gate_up."""
+    cfg = GQA.config
+    landed = dict(accounts_of(drafts, GQA)["sglang"].landed)
+    q, kv, I = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    qkv, gate_up = "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"
+    assert landed["layers.0.self_attn.q_proj.weight"] == f"{qkv}[0:{q}]"
+    assert landed["layers.0.self_attn.k_proj.weight"] == f"{qkv}[{q}:{q + kv}]"
+    assert landed["layers.0.self_attn.v_proj.weight"] == f"{qkv}[{q + kv}:{q + 2 * kv}]"
+    assert landed["layers.0.mlp.up_proj.weight"] == f"{gate_up}[{I}:{2 * I}]"
+    assert landed["d2t"] == "hot_token_id (d2t + arange)"
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_value_that_did_not_land_is_named(impl, drafts, tmp_path, monkeypatch):
+    """Landing is verified by value: a loader that writes something else is caught."""
+    from conformance.loading import accounting
+
+    real = accounting._equal
+    monkeypatch.setattr(accounting, "_equal", lambda p, t: real(p, t) and t.shape != (GQA.config.hidden_size,))
+    acct = account(impl, drafts.checkpoint(GQA)[ADAPTERS[impl].checkpoint_format])
+    assert acct.differs and all(p for p in acct.differs), acct.row("gqa")
+
+
+@pytest.mark.meta
+def test_speculators_refusal_is_named(drafts, tmp_path):
+    def edit(w):
+        w["fc.bias"] = torch.zeros(GQA.config.hidden_size)
+    acct = account("speculators", planted(drafts, GQA, "speculators", tmp_path, edit))
+    assert "fc.bias" in acct.refused and acct.problems[0].startswith("refused: ")
+
+
+@pytest.mark.meta
+def test_accounting_leaves_the_checkpoint_untouched(drafts):
+    dirs = drafts.checkpoint(CASES_BY_ID["fc_norm"])
+    before = {fmt: sha256(d / WEIGHTS_FILE) for fmt, d in dirs.items()}
+    for impl in IMPLS:
+        account(impl, dirs[ADAPTERS[impl].checkpoint_format])
+    assert before == {fmt: sha256(d / WEIGHTS_FILE) for fmt, d in dirs.items()}
+
+
+# ---------------------------------------------------------------- d2t / t2d
+
+def vocab(V=97, Vd=61, seed=0):
+    cfg = make_config(vocab_size=V, draft_vocab_size=Vd)
+    d2t, t2d = make_vocab_map(cfg, torch.Generator().manual_seed(seed))
+    return {"d2t": d2t, "t2d": t2d}
+
+
+def broken(edit):
+    t = vocab()
+    edit(t)
+    return vocab_map_problems(t, 97, 61)
+
+
+@pytest.mark.meta
+def test_valid_vocab_map_has_no_problems():
+    assert vocab_map_problems(vocab(), 97, 61) == []
+    assert vocab_map_problems({}, 97, 97) == []   # no map needed when the vocabularies are equal
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("edit,field,words", [
+    (lambda t: t.pop("d2t"), "d2t", "missing although draft_vocab_size 61 < vocab_size 97"),
+    (lambda t: t.pop("t2d"), "t2d", "missing"),
+    (lambda t: t.update(d2t=torch.zeros(61, dtype=torch.int64)), "d2t", "all zero"),
+    (lambda t: t["d2t"].__setitem__(slice(3, 5), t["d2t"][3:5].flip(0) + torch.tensor([1, -1])), "d2t",
+     "not strictly increasing"),
+    (lambda t: t.update(d2t=t["d2t"] + 1000), "d2t", "outside [0, 97)"),
+    (lambda t: t.update(d2t=t["d2t"].int()), "d2t", "dtype int32, expected int64"),
+    (lambda t: t.update(d2t=t["d2t"][:-1]), "d2t", "shape (60,), expected (61,)"),
+    (lambda t: t.update(t2d=t["t2d"].roll(1)), "t2d", "disagrees with d2t"),
+    (lambda t: t.update(t2d=t["t2d"].long()), "t2d", "dtype int64, expected bool"),
+    (lambda t: t.update(t2d=torch.ones(97, dtype=torch.bool)), "t2d", "97 True entries, expected draft_vocab_size 61"),
+], ids=["no_d2t", "no_t2d", "all_zero_d2t", "swapped_d2t", "out_of_range", "int32_d2t", "short_d2t", "t2d_disagrees",
+        "t2d_not_bool", "t2d_all_true"])
+def test_broken_vocab_map_is_named(edit, field, words):
+    problems = broken(edit)
+    assert problems, "not caught"
+    assert problems[0][0] == field and words in problems[0][1], problems
+
+
+@pytest.mark.meta
+def test_broken_vocab_map_in_a_checkpoint_is_named(drafts, tmp_path):
+    def edit(w):
+        w["d2t"] = torch.zeros_like(w["d2t"])
+    acct = account("sglang", planted(drafts, GQA, "sglang", tmp_path, edit))
+    assert any(p.startswith("invalid d2t: all zero") for p in acct.problems), acct.problems
+    assert acct.row("gqa")["d2t/t2d invariants"] == "broken"

@@ -1,0 +1,359 @@
+"""Draft throughput: what each adapter's timed pass is, its memory-roofline bytes, the copy bandwidth.
+
+Every figure is compared with the memory-bandwidth roofline measured in the same run on the same
+device: the bytes a pass must read at least once (weights it uses + the K/V it attends to) over a
+device copy's bandwidth. pytest-benchmark records each pass in units of that roofline time (a
+`RooflineTimer`), so stored baselines and `--benchmark-compare-fail` gate machine-normalised ratios,
+not seconds. Also a pytest plugin (registered in conftest.py): machine info, the throughput table.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from fixtures.real_shapes import SHAPES
+from fixtures.tiny import make_config
+from reference.eagle3 import Eagle3Config
+
+EXTEND, DECODE = "extend", "decode"
+
+# What the timed callable is, per adapter and pass (stage hooks off in every case).
+TIMED = {
+    ("reference", EXTEND): "Eagle3Reference.run(steps=1): fc + one pass over all B*L tokens",
+    ("reference", DECODE): "TTT step 1 over all B*L tokens = run(steps=2) - run(steps=1) "
+                           "(the reference has no decode pass)",
+    ("speculators", EXTEND): "Eagle3DraftModel.forward(ttt_steps=1): fc + TTT step 0 over all B*L tokens",
+    ("speculators", DECODE): "TTT step 1 over all B*L tokens = forward(ttt_steps=2) - forward(ttt_steps=1) "
+                             "(training has no decode pass)",
+    ("sglang", EXTEND): "one draft EXTEND pass: init_forward_metadata + LlamaForCausalLMEagle3.forward, "
+                        "B requests of L tokens",
+    ("sglang", DECODE): "one draft DECODE pass (step 1): init_forward_metadata + forward, "
+                        "B queries over B*(L+1) cached keys",
+}
+
+# Set only by the gate's self-test (conformance/meta/test_bench_gate.py): "sglang=2" makes every
+# timed pass of that adapter run twice, a planted 2x slowdown the compare target must catch.
+SLOWDOWN_ENV = "EAGLE3_BENCH_SLOWDOWN"
+
+BATCHES = (1, 8, 32)
+CONTEXTS = (128, 1024)
+CPU_SIZES = ("tiny", "mid")
+GPU_SIZES = ("llama31_8b", "kimi_k25")
+
+
+def planted_slowdown(impl: str) -> int:
+    """How many times `impl`'s timed pass runs per call (1 unless SLOWDOWN_ENV plants more)."""
+    for part in filter(None, os.environ.get(SLOWDOWN_ENV, "").split(",")):
+        name, _, factor = part.partition("=")
+        if name.strip() == impl:
+            return int(factor)
+    return 1
+
+
+# ---------------------------------------------------------------- the sweep
+
+@dataclass(frozen=True)
+class BenchCase:
+    size: str          # a key of fixtures.real_shapes.SHAPES
+    dtype: str         # "fp32" | "bf16"
+    device: str        # "cpu" | "cuda"
+    batch: int         # B requests (packed sequences)
+    context: int       # L tokens each
+    pass_: str         # EXTEND | DECODE
+    impl: str          # adapter name
+
+    @property
+    def id(self) -> str:
+        return f"{self.device}-{self.size}-{self.dtype}-b{self.batch}-l{self.context}-{self.pass_}-{self.impl}"
+
+    @property
+    def config(self) -> Eagle3Config:
+        return make_config(**SHAPES[self.size])
+
+    @property
+    def tokens(self) -> int:
+        """Query tokens of the timed step: all B*L, except SGLang's decode (one per request)."""
+        return self.batch if (self.impl, self.pass_) == ("sglang", DECODE) else self.batch * self.context
+
+
+def restriction(case: BenchCase) -> str | None:
+    """Why a combination is left out of the sweep, or None.
+
+    On a 2-core CPU the sweep has to stay within minutes: the reference's and speculators' CPU
+    attention build a dense [T, (k+1)T] mask and score matrix over the whole packed batch (T = B*L),
+    so their cost grows with T^2, and bf16 matmuls run several times slower than fp32 on CPUs without
+    bf16 instructions. So on CPU: tiny size, reference and speculators T <= 1024, SGLang everything;
+    mid size, every adapter T <= 1024 in fp32 and T <= 128 in bf16. On CUDA the reference runs
+    T <= 8192 (its score matrix at T = 32768 is over 100 GiB at real shapes); the others run all.
+    """
+    T = case.batch * case.context
+    if case.device == "cuda":
+        limit = 8192 if case.impl == "reference" else None
+    elif case.size == "tiny":
+        limit = None if case.impl == "sglang" else 1024
+    else:
+        limit = 1024 if case.dtype == "fp32" else 128
+    if limit is not None and T > limit:
+        return f"{case.impl} on {case.device} at {case.size} size in {case.dtype}: B*L = {T} > {limit}"
+    return None
+
+
+def sweep(device: str, sizes, dtypes) -> list[BenchCase]:
+    """The benchmark matrix in run order: adapters vary fastest, so a shape's figures sit together."""
+    out = []
+    for size in sizes:
+        for dtype in dtypes:
+            for B in BATCHES:
+                for L in CONTEXTS:
+                    for pass_ in (EXTEND, DECODE):
+                        for impl in ("reference", "speculators", "sglang"):
+                            case = BenchCase(size, dtype, device, B, L, pass_, impl)
+                            if restriction(case) is None:
+                                out.append(case)
+    return out
+
+
+# ---------------------------------------------------------------- roofline
+
+def step_bytes(cfg: Eagle3Config, case: BenchCase, step: int) -> tuple[int, int]:
+    """(weight bytes, K/V bytes) draft step `step` must read at least once (0: the EXTEND pass or TTT
+    step 0; k >= 1: SGLang's DECODE pass or TTT step k). Weights: fc (step 0 only; for SGLang only
+    when it runs), q/k/v/o, the MLP, lm_head and the embedding rows looked up; norms and d2t are
+    negligible. K/V: the keys and values the step attends to: T = B*L at step 0, (k + 1) * T at TTT
+    step k, the whole cache B*(L+1) at SGLang's DECODE."""
+    e = 4 if case.dtype == "fp32" else 2
+    H, T = cfg.hidden_size, case.batch * case.context
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    aux_width = cfg.num_aux_hidden_states * cfg.target_hidden_size
+    fc_runs = step == 0 and not (case.impl == "sglang" and aux_width == H)   # llama_eagle3.py:238
+    queries = case.batch if (case.impl == "sglang" and step > 0) else T
+    weights = (aux_width * H if fc_runs else 0) + cfg.draft_vocab_size * H + min(queries, cfg.vocab_size) * H
+    for i in range(cfg.num_hidden_layers):
+        weights += (2 * H if i == 0 else H) * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * cfg.intermediate_size
+    if step == 0:
+        keys = T
+    elif case.impl == "sglang":
+        keys = T + step * case.batch
+    else:
+        keys = (step + 1) * T
+    return weights * e, keys * 2 * nkv * hd * cfg.num_hidden_layers * e
+
+
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_rounds(fn: Callable[[], object], device: str, rounds: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of `fn` per round, device-synchronised, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+class DeviceCopy:
+    """Bandwidth of a device copy (bytes read + written: STREAM's "copy" convention); buffers are
+    allocated once per device, 64 MiB (well past the CPU caches) or 1 GiB on a GPU."""
+
+    def __init__(self):
+        self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def bandwidths(self, device: str, rounds: int) -> list[float]:
+        """Bytes/s of `rounds` copies, after one warm-up copy."""
+        if device not in self._buffers:
+            nbytes = (1 << 30) if torch.device(device).type == "cuda" else (64 << 20)
+            src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+            self._buffers[device] = (src, torch.empty_like(src))
+        src, dst = self._buffers[device]
+        moved = 2 * src.numel() * src.element_size()
+        return [moved / t for t in time_rounds(lambda: dst.copy_(src), device, rounds, warmup=1)]
+
+
+COPY = DeviceCopy()
+
+
+class RooflineTimer:
+    """perf_counter in units of one roofline time (seconds per unit), so pytest-benchmark's stats of
+    a pass are (pass time / roofline time) = 1 / roofline fraction: a ratio measured in this run."""
+
+    unit = 1.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() / self.unit
+
+    def __repr__(self) -> str:
+        return "roofline-time units"
+
+
+ROOFLINE_TIMER = RooflineTimer()
+ROOFLINE_GROUP = ": time / roofline time"   # the end of every pytest-benchmark group of these figures
+
+
+# ---------------------------------------------------------------- results and the table
+
+@dataclass
+class Figure:
+    case: BenchCase
+    median_s: float      # of the timed step (for a TTT decode: step 1 alone)
+    iqr_s: float
+    rounds: int
+    weight_bytes: int
+    kv_bytes: int
+    copy_bw: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.case.tokens / self.median_s
+
+    @property
+    def roofline_fraction(self) -> float:
+        return (self.weight_bytes + self.kv_bytes) / self.median_s / self.copy_bw
+
+    def row(self, reference: "Figure | None") -> dict:
+        c = self.case
+        measured = self.median_s > 0   # a TTT step 1 (a difference of medians) can drown in noise
+        return {"device": c.device, "size": c.size, "dtype": c.dtype, "B": c.batch, "L": c.context,
+                "pass": c.pass_, "impl": c.impl, "median ms": round(self.median_s * 1e3, 4),
+                "IQR ms": round(self.iqr_s * 1e3, 4), "rounds": self.rounds,
+                "tokens/s": round(self.tokens_per_s) if measured else None,
+                "MB read": round((self.weight_bytes + self.kv_bytes) / 1e6, 3),
+                "roofline": float(f"{self.roofline_fraction:.3g}") if measured else None,
+                "vs reference": round(self.median_s / reference.median_s, 3)
+                if measured and reference is not None and reference.median_s > 0 else None}
+
+
+@dataclass
+class Results:
+    figures: dict[str, Figure] = field(default_factory=dict)      # by BenchCase.id
+
+    def bandwidth(self) -> dict[str, float]:
+        """device -> median copy bandwidth over this run's figures."""
+        by_device: dict[str, list[float]] = {}
+        for fig in self.figures.values():
+            by_device.setdefault(fig.case.device, []).append(fig.copy_bw)
+        return {d: statistics.median(v) for d, v in by_device.items()}
+
+    def add(self, figure: Figure) -> None:
+        self.figures[figure.case.id] = figure
+
+    def rows(self) -> list[dict]:
+        out = []
+        for fig in self.figures.values():
+            ref_id = fig.case.id.rsplit("-", 1)[0] + "-reference"
+            ref = self.figures.get(ref_id) if fig.case.impl != "reference" else None
+            out.append(fig.row(ref))
+        return out
+
+    def table(self) -> list[str]:
+        rows = self.rows()
+        if not rows:
+            return []
+        cols = list(rows[0])
+        widths = {c: max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in cols}
+        lines = ["copy bandwidth (read + write, this run): "
+                 + ", ".join(f"{d} {bw / 1e9:.2f} GB/s" for d, bw in sorted(self.bandwidth().items()))
+                 + " (best of 5 copies next to each figure, median over figures)",
+                 "roofline = (bytes of weights and K/V read) / step time / copy bandwidth; "
+                 "vs reference = step time / the reference's at the same shape and pass "
+                 "(for SGLang's decode: its B-token DECODE pass vs a B*L-token TTT step)",
+                 "  ".join(c.rjust(widths[c]) for c in cols)]
+        lines += ["  ".join(_fmt(r[c]).rjust(widths[c]) for c in cols) for r in rows]
+        return lines
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else (f"{v:.3g}" if isinstance(v, float) and (abs(v) < 1e-2 or abs(v) >= 1e5) else str(v))
+
+
+RESULTS = Results()
+
+
+# ---------------------------------------------------------------- machine class
+
+def machine_class(device: str, threads: int | None = None) -> str:
+    """Where baselines live: benchmarks/baselines/<machine class>/ (e.g. cpu-x86_64-2c-1t-amd-epyc:
+    2 cores, 1 torch thread; cuda-nvidia-h200). Figures are only compared within one class.
+    `threads`: torch's CPU threads (default: this process's)."""
+    if torch.device(device).type == "cuda":
+        name = torch.cuda.get_device_name()
+        return "cuda-" + _slug(name)
+    try:
+        import cpuinfo
+
+        brand = cpuinfo.get_cpu_info().get("brand_raw", "") or "cpu"
+    except Exception:   # py-cpuinfo is pytest-benchmark's; the class still needs a name without it
+        brand = platform.processor() or "cpu"
+    threads = torch.get_num_threads() if threads is None else threads
+    return f"cpu-{platform.machine()}-{os.cpu_count()}c-{threads}t-{_slug(brand)}"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "unknown"
+
+
+# ---------------------------------------------------------------- pytest plugin hooks
+
+def pytest_configure(config):
+    # Runs before pytest-benchmark's own (trylast) configure, which reads these options.
+    # `-m benchmark` asks for measurements: pytest.ini's --benchmark-disable (which keeps the other
+    # lanes fast) would make every benchmark a single untimed call, so selecting the marker enables them.
+    markexpr = config.getoption("markexpr", "") or ""
+    if re.search(r"\bbenchmark\b", markexpr) and not re.search(r"\bnot\s+benchmark\b", markexpr):
+        config.option.benchmark_enable = True
+    root = config.getoption("--bench-baselines", None)
+    if root:
+        storage = Path(root) / machine_class(host_device())
+        config.option.benchmark_storage = f"file://{storage}"
+        if config.getoption("benchmark_compare", None) and not any(storage.glob("*/[0-9][0-9][0-9][0-9]_*.json")):
+            raise pytest.UsageError(f"--bench-baselines: no baseline for machine class {storage.name!r} in {root}: "
+                                    f"record one with `make bench-baseline` on such a machine and commit {storage}")
+
+
+def host_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    from conformance.core.report import versions
+
+    machine_info.pop("node", None)   # the host name: baselines are per machine class, not per host
+    device = host_device()
+    machine_info["eagle3"] = {"machine_class": machine_class(device), "versions": versions(),
+                              "torch_threads": torch.get_num_threads(),
+                              "cuda_device": torch.cuda.get_device_name() if device == "cuda" else None}
+
+
+def pytest_benchmark_scale_unit(config, unit, benchmarks, best, worst, sort):
+    # The figures of test_throughput.py are ratios (RooflineTimer): no s/ms/us scaling, and the header
+    # says what they are. Any other benchmark keeps pytest-benchmark's own scaling (None: not ours).
+    if not all(str(b.get("group") or "").endswith(ROOFLINE_GROUP) for b in benchmarks):
+        return None
+    return ("roofline-time unit", 1.0) if unit == "seconds" else ("", 1.0)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lines = RESULTS.table()
+    if lines:
+        terminalreporter.section("eagle3 draft throughput (tokens/s, memory roofline)")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+if __name__ == "__main__":   # `python -m conformance.throughput.throughput`: this host's machine class
+    print(machine_class(host_device()))
