@@ -4,8 +4,12 @@ An element passes when |actual - expected| <= atol + rtol * |expected| + noise *
 `floor` is the stage's noise floor: the largest difference between the reference run in this dtype
 and the reference run in fp64 (what rounding alone costs the reference at that stage; field-evidence
 §4.5, "a noise floor of k*|fp32 - bf16| of the reference"). An implementation as accurate as the
-reference is at most about twice the floor away from it, hence noise = 2 for bf16; fp32 has no noise
-term and uses torch.testing's fp32 defaults. The bf16 atol/rtol are the 2e-2 gate peers use for
+reference is at most about twice the floor away from it, hence noise = 2 for bf16 and for fp32 hidden
+stages, whose atol/rtol are torch.testing's fp32 defaults. fp32 needs the floor term because the recurrent
+hidden grows over draft steps (|h| ~ 20 by step 6 of a two-layer draft) and the reference's own fp32 rounding
+(vs fp64) then exceeds the fixed atol: 1.47e-5 at step 6 `layers.0.post_attn` of ms_two_layers, where speculators
+is 1.20e-5 from the fp32 reference and 1.49e-5 from fp64 (as accurate as the reference), and where the
+outcome depended on which CPU kernels summed it. The bf16 atol/rtol are the 2e-2 gate peers use for
 tiny-model parity (field-evidence.md §1.7: SpecForge HF vs SGLang bf16). Id stages are exact,
 except where the reference's own top-1/top-2 logit gap is within the logits tolerance (a tie the
 dtype cannot resolve; see conformance/core/compare.py). Change a value here, in review, with a reason;
@@ -27,7 +31,7 @@ class Tol:
 
 TOLERANCES: dict[tuple[str, torch.dtype], Tol] = {
     ("hidden", torch.float64): Tol(atol=1e-10, rtol=1e-10),
-    ("hidden", torch.float32): Tol(atol=1e-5, rtol=1.3e-6),
+    ("hidden", torch.float32): Tol(atol=1e-5, rtol=1.3e-6, noise=2.0),
     ("hidden", torch.bfloat16): Tol(atol=2e-2, rtol=2e-2, noise=2.0),
     # Logits are a dot product over H of O(1) values: one more accumulation than a hidden stage.
     ("logits", torch.float64): Tol(atol=1e-10, rtol=1e-10),
