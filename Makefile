@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 REPORT ?= report
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv conformance test support-matrix clean-venv bench bench-baseline bench-compare
+.PHONY: venv lint conformance test support-matrix clean-venv bench bench-baseline bench-compare
 
 # sglang's and speculators' declared dependency trees are CUDA-only (flashinfer, sgl-kernel, ...),
 # so everything is installed from one fully pinned lock file with --no-deps: exactly these versions,
@@ -21,8 +21,12 @@ venv: $(VENV)/.installed
 conformance: venv
 	$(PYTEST) -m "cpu and not meta" --report $(REPORT)
 
-# The harness self-tests and the CPU conformance lane.
-test: venv
+# The linter: ruff, configured in pyproject.toml.
+lint: venv
+	$(VENV)/bin/ruff check .
+
+# The linter, the harness self-tests and the CPU conformance lane.
+test: venv lint
 	$(PYTEST) -m cpu
 
 # Draft throughput (conformance/throughput/test_throughput.py). Figures are stored and compared per machine

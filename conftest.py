@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from conformance.core.report import Report, versions
+from conformance.core.report_render import terminal_lines
 
 
 # Hypothesis profiles: `ci` (the default: derandomized, so every run draws the same examples), `dev`
@@ -33,8 +34,14 @@ def pytest_addoption(parser):
     group.addoption("--require-gpu", action="store_true",
                     help="fail, instead of skipping, gpu tests when CUDA is not available")
     group.addoption("--draft-checkpoint", metavar="DIR", default=None,
-                    help="your EAGLE-3 draft (speculators, SGLang, legacy SGLang or SpecForge format): step-0 and "
-                         "multi-step conformance and weight accounting run on it too")
+                    help="your EAGLE-3 draft (speculators, SGLang, legacy SGLang, SpecForge or EAGLE-3 format): runs "
+                         "only the checks on your inputs and ends with one verdict (exit 0 served as trained, "
+                         "1 not, 4 bad input)")
+    group.addoption("--trainer", default="auto", choices=("auto", "speculators", "specforge", "eagle3"),
+                    help="how the draft was trained, i.e. what its aux-layer ids mean, when the checkpoint does not "
+                         "say it (default: detected from the checkpoint)")
+    group.addoption("--with-matrix", action="store_true",
+                    help="with --draft-checkpoint: run the built-in matrix too (its known divergences stay xfails)")
     group.addoption("--training-data", metavar="FILE", default=None,
                     help="JSONL training samples (input_ids, loss_mask, seq_len, n_prompt_tokens, n_response_tokens, "
                          "source): the draft's inputs (needs --draft-checkpoint)")
@@ -97,23 +104,20 @@ def repro(request) -> str:
 
 def pytest_sessionfinish(session, exitstatus):
     directory = session.config.getoption("--report")
-    if directory and (_REPORT.entries or _REPORT.sections):
+    if directory and not _REPORT.empty:
         _REPORT.write(Path(directory))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not (_REPORT.entries or _REPORT.sections) or not (config.getoption("--stage-table") or config.getoption("--report")):
+    if _REPORT.empty or not (config.getoption("--stage-table") or config.getoption("--report")):
         return
     tr = terminalreporter
     tr.section("eagle3 conformance: per implementation pair and stage")
-    first = _REPORT.first_divergence_lines()
-    if first:
-        tr.write_line("first divergences (outcome | pair | case | dtype | stage | reason):")
-        for line in first:
-            tr.write_line("  " + line.strip("| ").replace(" | ", " | "))
-    tr.write_line(_REPORT.stage_table_text())
+    for line in terminal_lines(_REPORT.to_json()):
+        tr.write_line(line)
     if config.getoption("--report"):
-        tr.write_line(f"report written to {Path(config.getoption('--report')) / 'report.md'} (and report.json, stage_error.png)")
+        written = Path(config.getoption("--report")) / "report.md"
+        tr.write_line(f"report written to {written} (and report.json, stage_error.png)")
 
 
 # ---------------------------------------------------------------- benchmarks
@@ -127,10 +131,22 @@ pytest_plugins = ("conformance.throughput.throughput",)
 
 def pytest_configure(config):
     """--draft-checkpoint and friends are validated before anything runs: a problem is one line
-    naming the file and the field, and a usage error (exit code 4), not a test failure."""
+    naming the file and the field, and a usage error (exit code 4), not a test failure. The verdict
+    plugin focuses such a run on the user checks and turns their findings into one verdict."""
     from conformance.user.user_draft import configure_user_inputs
+    from conformance.user.verdict import USER_MARK, VerdictPlugin
 
+    config.addinivalue_line("markers", f"{USER_MARK}: a check on the user's own inputs (--draft-checkpoint runs only these)")
     configure_user_inputs(config)
+    config.pluginmanager.register(VerdictPlugin(config, _REPORT), "eagle3-verdict")
+
+
+@pytest.fixture(scope="session")
+def verdict(request):
+    """The session's Verdict on the user's draft: checks add their problems to it."""
+    from conformance.user.verdict import VERDICT_KEY
+
+    return request.config.stash[VERDICT_KEY]
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
 This is the arbiter every implementation is compared against. It follows speculators 0.9.0's
 `Eagle3DraftModel` (the training path, `eagle3-semantics.md` §1.1) and honours every knob of §2,
 including the ones SGLang lacks (`norm_before_residual`, q/k/v bias, `input_layernorm` on layers
->= 1). One code path, plain `softmax(QK^T/sqrt(d) + mask) V` attention, no side effects.
+>= 1, the qwen3 draft layers' q_norm/k_norm), and partial rotary. One code path, plain
+`softmax(QK^T/sqrt(d) + mask) V` attention, no side effects.
 
 Precision policy (one place): every matmul runs in the working dtype; RMSNorm and softmax upcast
 to fp32 (fp64 stays fp64) and cast back, as HF and SGLang do; RoPE angles and cos/sin are
@@ -54,6 +55,8 @@ class Eagle3Config:
     hidden_act: str = "silu"
     aux_layer_ids: tuple[int, ...] | None = None  # training convention: input of layer i (0 = embedding)
     sliding_window: int | None = None    # None = full attention in every draft layer
+    draft_arch: str = "llama"            # decoder layers: "llama", or "qwen3" (per-head q_norm/k_norm before RoPE)
+    partial_rotary_factor: float = 1.0   # RoPE on the first int(head_dim * factor) channels of each head only
 
     def __post_init__(self):
         if self.norm_before_fc and self.fc_norm:
@@ -69,6 +72,21 @@ class Eagle3Config:
             raise ValueError(f"rope_type {rope_type!r} is not implemented by the reference")
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != self.num_aux_hidden_states:
             raise ValueError("aux_layer_ids must have num_aux_hidden_states entries")
+        if self.draft_arch not in DRAFT_ARCHS:
+            raise ValueError(f"draft_arch {self.draft_arch!r} is not implemented (implemented: {', '.join(DRAFT_ARCHS)})")
+        if self.draft_arch == "qwen3" and self.mlp_bias:
+            raise ValueError("a qwen3 draft has no MLP biases (transformers Qwen3MLP: bias=False)")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {self.rotary_dim} "
+                             f"of head_dim {self.head_dim}: needs an even number >= 2")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE turns (HF modeling_rope_utils, SGLang llama.py:199-200)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+DRAFT_ARCHS = ("llama", "qwen3")   # speculators' draft_arch choices (models/eagle3/model_definitions.py:135-142)
 
 
 # ---------------------------------------------------------------- building blocks
@@ -96,7 +114,7 @@ def rope_inv_freq(cfg: Eagle3Config, exact: bool = True) -> tuple[torch.Tensor, 
     1 ulp off the exact value is 2.4e-5 rad at position 2000, so below fp64 that rounding is part
     of the model.
     """
-    d, base = cfg.head_dim, cfg.rope_theta
+    d, base = cfg.rotary_dim, cfg.rope_theta   # partial rotary: frequencies over the rotated channels only
     p = dict(cfg.rope_scaling or {})
     kind = p.get("rope_type", "default")
     if exact:
@@ -147,7 +165,7 @@ def rope_inv_freq(cfg: Eagle3Config, exact: bool = True) -> tuple[torch.Tensor, 
 
 
 def rope_cos_sin(cfg: Eagle3Config, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin: [T, hd] for the half-split (neox) rotation.
+    """cos, sin: [T, rotary_dim] for the half-split (neox) rotation.
 
     Below fp64 as transformers and SGLang compute them, whatever the working dtype: fp32 inverse
     frequencies, one fp32 product per angle (transformers modeling_llama.py:110-116; SGLang's
@@ -157,13 +175,20 @@ def rope_cos_sin(cfg: Eagle3Config, positions: torch.Tensor, dtype: torch.dtype)
     """
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     inv_freq, scale = rope_inv_freq(cfg, exact=compute == torch.float64)
-    angles = positions.to(compute)[:, None] * inv_freq.to(compute)[None, :]   # [T, hd/2]
-    emb = torch.cat([angles, angles], dim=-1)                                  # [T, hd]
+    angles = positions.to(compute)[:, None] * inv_freq.to(compute)[None, :]   # [T, rotary_dim/2]
+    emb = torch.cat([angles, angles], dim=-1)                                  # [T, rotary_dim]
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, hd]; HF apply_rotary_pos_emb (rotate_half convention)."""
+    """x: [T, heads, hd]; HF apply_rotary_pos_emb (rotate_half convention).
+
+    Partial rotary (cos narrower than the head) turns the leading channels and passes the rest through,
+    as SGLang's neox RoPE does (rotary_embedding/base.py) and speculators' patch for HF
+    (models/eagle3/rotary_partial.py:27-66)."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat([rotate(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -270,6 +295,11 @@ class Eagle3Reference:
         q = linear(attn_in, w, f"{p}.self_attn.q_proj").view(T, cfg.num_attention_heads, hd)
         k = linear(attn_in, w, f"{p}.self_attn.k_proj").view(T, cfg.num_key_value_heads, hd)
         v = linear(attn_in, w, f"{p}.self_attn.v_proj").view(T, cfg.num_key_value_heads, hd)
+        stages.update({f"{p}.q": q, f"{p}.k": k, f"{p}.v": v})
+        if cfg.draft_arch == "qwen3":   # Qwen3Attention: RMSNorm over each head's channels, before RoPE
+            q = rms_norm(q, w[f"{p}.self_attn.q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, w[f"{p}.self_attn.k_norm.weight"], cfg.rms_norm_eps)
+            stages.update({f"{p}.q_norm": q, f"{p}.k_norm": k})
         q_rot, k_rot = rotate(q, cos, sin), rotate(k, cos, sin)
         cache[i][0].append(k_rot)
         cache[i][1].append(v)
@@ -280,7 +310,7 @@ class Eagle3Reference:
         mlp_out = mlp(x, w, f"{p}.mlp")
         out = post_attn + mlp_out
         stages.update({
-            f"{p}.q": q, f"{p}.k": k, f"{p}.v": v, f"{p}.q_rot": q_rot, f"{p}.k_rot": k_rot,
+            f"{p}.q_rot": q_rot, f"{p}.k_rot": k_rot,
             f"{p}.attn_core": core, f"{p}.attn_out": attn_out, f"{p}.post_attn": post_attn,
             f"{p}.post_attn_norm": x, f"{p}.mlp_out": mlp_out, f"{p}.layer_out": out,
         })

@@ -6,7 +6,6 @@ as the drafter, verified against the target's argmax (accept length = accepted d
 """
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
 from dataclasses import dataclass
@@ -16,11 +15,12 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from conformance.adapters import ADAPTERS
-from conformance.adapters.base import Trace
+from conformance.adapters import ADAPTERS, REFERENCE
+from conformance.adapters.base import Drafter
+from conformance.adapters.speculators.training import heldout_metrics, speculators_items
 from conformance.core.compare import Comparison, compare_traces
-from fixtures.checkpoint import WEIGHTS_FILE
-from fixtures.trained_draft import GreedyTarget, TrainedDraft, collate, loss_config, one_thread, speculators_items
+from conformance.checkpoints import WEIGHTS_FILE
+from fixtures.trained_draft import GreedyTarget, TrainedDraft, one_thread
 from reference.eagle3 import DraftBatch
 from reference.speculative import AcceptStats, accepted_drafts, predicted_accept_length
 
@@ -28,10 +28,6 @@ K_MAX = 5                   # draft steps simulated (every K <= K_MAX comes from
 REQUESTS_PER_SEQUENCE = 8   # verify rounds drawn per held-out sequence (64 sequences: 512 rounds)
 CHUNK = 16                  # requests per drafter call
 REQUEST_SEED = 11
-
-# drafter(draft rows of n requests, their token contexts x_0..x_p, K) -> [n, K] drafted target ids
-Drafter = Callable[[DraftBatch, list[torch.Tensor], int], torch.Tensor]
-
 
 # ---------------------------------------------------------------- predicted: speculators' metrics
 
@@ -47,29 +43,13 @@ class Prediction:
 
 @one_thread()
 def speculators_prediction(trained: TrainedDraft, steps: int = K_MAX) -> Prediction:
-    """speculators' training forward with its loss and metrics on every held-out sequence.
-
-    The draft loads through the speculators adapter; the teacher (verifier_lm_head = the target's
-    lm_head rows of the draft vocabulary, verifier_norm) through speculators' own
-    load_verifier_weights from the target directory, as `from_training_args` does. One sequence per
-    forward: speculators' teacher forcing shifts across packed sequences (core.py:332-338).
-    """
-    loaded = ADAPTERS["speculators"]().load(trained.checkpoints["speculators"], torch.float32)
-    model = loaded.model
-    model.config.speculators_config.verifier.name_or_path = str(trained.target_dir)
-    model.load_verifier_weights()
-    target = trained.target()
-    aux_ids = trained.config.aux_layer_ids
-    totals: dict[str, float] = {}
-    ids = trained.heldout_ids
-    _, aux, last = target.run(ids, aux_ids)
-    losses = loss_config(trained.recipe)
-    with torch.no_grad():
-        for item in speculators_items(ids, aux, last):
-            batch = collate([item], trained.config.hidden_size, trained.config.num_aux_hidden_states)
-            _, _, metrics = model(**batch, ttt_steps=steps, loss_config=losses)
-            for name, value in metrics.items():
-                totals[name] = totals.get(name, 0.0) + float(value)
+    """speculators' training forward with its loss and metrics on every held-out sequence, one
+    sequence per forward (conformance/adapters/speculators/training.py heldout_metrics)."""
+    cfg = trained.config
+    _, aux, last = trained.target().run(trained.heldout_ids, cfg.aux_layer_ids)
+    totals = heldout_metrics(trained.checkpoints["speculators"], trained.target_dir,
+                             speculators_items(trained.heldout_ids, aux, last), cfg.hidden_size,
+                             cfg.num_aux_hidden_states, steps, trained.recipe.loss)
     full = [totals[f"full_acc_{k}_sum"] / totals[f"full_acc_{k}_total"] for k in range(steps)]
     cond = [totals[f"cond_acc_{k}_sum"] / totals[f"cond_acc_{k}_total"] for k in range(steps)]
     return Prediction(full, cond, int(totals["full_acc_0_total"]))
@@ -157,70 +137,7 @@ def generate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, sequ
     return torch.stack([s[:P + new_tokens] for s in seqs]), AcceptStats(torch.cat(accepted))
 
 
-# ---------------------------------------------------------------- drafters
-
-def last_rows(batch: DraftBatch) -> torch.Tensor:
-    return torch.bincount(batch.seq_ids).cumsum(0) - 1
-
-
-def run_ids(loaded, batch: DraftBatch, steps: int) -> Trace:
-    """An adapter's run without stage hooks where it has that switch: only the ids are read."""
-    if "record" in inspect.signature(loaded.run).parameters:
-        return loaded.run(batch, steps, record=False)
-    return loaded.run(batch, steps)
-
-
-def trace_drafter(loaded) -> Drafter:
-    """Reference and SGLang: their own free-running drafting (each step embeds the previous step's
-    d2t-mapped argmax; SGLang: EXTEND, then DECODE passes); the chain at each request's last row."""
-    def draft(batch: DraftBatch, contexts: list[torch.Tensor], K: int) -> torch.Tensor:
-        trace = run_ids(loaded, batch, K)
-        last = last_rows(batch)
-        chain = []
-        for k in range(K):
-            ids, rows = trace.get(k, "target_ids")
-            chain.append(ids[last] if rows is None else ids)
-        return torch.stack(chain, dim=1)
-    return draft
-
-
-def speculators_drafter(loaded) -> Drafter:
-    """speculators drafts by teacher forcing only: TTT step k of row t embeds input_ids[t + k]
-    (core.py:332-338). Its own drafts are fed back by appending them as rows after each request's
-    last row and running again with one more step: K runs, the k-th with k steps.
-
-    Why the appended rows never change the chain of the last row t (read in speculators 0.9.0): at
-    step 0 row t attends to keys s <= t of its own document (attention.py:16-27: causal and document
-    masks), at steps >= 1 in addition only to its own earlier-step keys, the diagonal blocks that
-    extend_dense_mask_for_draft_tokens appends (attention.py:115-143); norms, MLP, fc and lm_head act
-    per row. So all row t takes from a later row is the token input_ids[t + k] it embeds at step k:
-    the draft d_k put there. The appended rows' own outputs are never read.
-    """
-    def draft(batch: DraftBatch, contexts: list[torch.Tensor], K: int) -> torch.Tensor:
-        counts = torch.bincount(batch.seq_ids).tolist()
-        first = torch.tensor([0] + counts[:-1]).cumsum(0).tolist()
-        extra = K - 1
-        grown_len = [c + extra for c in counts]
-        grown_first = torch.tensor([0] + grown_len[:-1]).cumsum(0).tolist()
-        own = torch.cat([torch.arange(c) + g for c, g in zip(counts, grown_first)])   # old row -> new row
-        T = sum(grown_len)
-        aux = batch.aux.new_zeros(T, batch.aux.shape[1])       # appended rows: zeros, never attended by t
-        aux[own] = batch.aux
-        input_ids = batch.input_ids.new_zeros(T)
-        input_ids[own] = batch.input_ids
-        positions = torch.cat([torch.arange(n) + batch.positions[f] for n, f in zip(grown_len, first)])
-        seq_ids = torch.cat([torch.full((n,), j) for j, n in enumerate(grown_len)])
-        last = own[last_rows(batch)]
-        chain = []
-        for k in range(K):
-            grown = DraftBatch(aux=aux, input_ids=input_ids.clone(), positions=positions, seq_ids=seq_ids)
-            d = run_ids(loaded, grown, k + 1).steps[k]["target_ids"][last]
-            chain.append(d)
-            if k < extra:
-                input_ids[last + k + 1] = d   # what row t embeds at step k + 1
-        return torch.stack(chain, dim=1)
-    return draft
-
+# ---------------------------------------------------------------- drafters (each adapter's own: loaded.drafter())
 
 def oracle_drafter(target: GreedyTarget) -> Drafter:
     """vLLM's oracle check: a 'draft' that is the target's own greedy next-token rule, run through the
@@ -237,9 +154,12 @@ def oracle_drafter(target: GreedyTarget) -> Drafter:
     return draft
 
 
-def grouped(drafter: Drafter, size: int) -> Drafter:
-    """`drafter` on groups of `size` requests at a time: the reference's and speculators' attention is
-    dense over the whole packed batch (quadratic in its rows), SGLang's runs per request."""
+def grouped(drafter: Drafter, size: int | None) -> Drafter:
+    """`drafter` on groups of `size` requests at a time (None: all at once); the adapter says which
+    size is fastest (`draft_group`: attention dense over the whole packed batch is quadratic in its rows)."""
+    if size is None:
+        return drafter
+
     def draft(batch: DraftBatch, contexts: list[torch.Tensor], K: int) -> torch.Tensor:
         counts = torch.bincount(batch.seq_ids).tolist()
         out, row = [], 0
@@ -253,15 +173,12 @@ def grouped(drafter: Drafter, size: int) -> Drafter:
     return draft
 
 
-GROUP = {"reference": 4, "speculators": 8, "sglang": CHUNK}   # requests per drafter call (fastest on CPU)
-
-
 def make_drafter(impl: str, checkpoints: dict[str, Path]) -> Drafter:
-    """The draft in `checkpoints` (format -> directory) loaded through `impl`'s own path, in fp32."""
+    """The draft in `checkpoints` (format -> directory) loaded through `impl`'s own path, in fp32,
+    drafting with its own loop."""
     adapter = ADAPTERS[impl]()
     loaded = adapter.load(checkpoints[adapter.checkpoint_format], torch.float32)
-    drafter = speculators_drafter(loaded) if impl == "speculators" else trace_drafter(loaded)
-    return grouped(drafter, GROUP[impl])
+    return grouped(loaded.drafter(), adapter.draft_group)
 
 
 # ---------------------------------------------------------------- planted wiring faults
@@ -331,7 +248,8 @@ def served_aux_ids(trained: TrainedDraft, fault: Fault | None = None) -> tuple[i
     return fault.served_aux(ids) if fault and fault.served_aux else ids
 
 
-def probe_batch(trained: TrainedDraft, target: GreedyTarget, aux_ids: tuple[int, ...], sequences: int = 3) -> DraftBatch:
+def probe_batch(trained: TrainedDraft, target: GreedyTarget, aux_ids: tuple[int, ...],
+                sequences: int = 3) -> DraftBatch:
     """The first held-out sequences as one packed batch: rows (aux g_t, token x_{t+1})."""
     ids = trained.heldout_ids[:sequences]
     _, aux, _ = target.run(ids, aux_ids)
@@ -349,9 +267,10 @@ def first_divergence(trained: TrainedDraft, target: GreedyTarget, impl: str, che
     adapter = ADAPTERS[impl]()
     actual = adapter.load(checkpoints[adapter.checkpoint_format], torch.float32).run(
         probe_batch(trained, target, aux_ids), 1)
-    expected = ADAPTERS["reference"]().load(trained.checkpoints["speculators"], torch.float32).run(
+    reference = ADAPTERS[REFERENCE]()
+    expected = reference.load(trained.checkpoints[reference.checkpoint_format], torch.float32).run(
         probe_batch(trained, target, served_aux_ids(trained)), 1)
-    return compare_traces(actual, expected, ADAPTERS[impl].claimed_stages, trained.config.num_hidden_layers, case_id)
+    return compare_traces(actual, expected, case_id)
 
 
 # ---------------------------------------------------------------- one store per session

@@ -13,6 +13,7 @@ import torch
 
 from conformance.acceptance.acceptance import (FAULTS, K_MAX, first_divergence, generate, make_drafter, oracle_drafter,
                                    served_aux_ids, simulate)
+from conformance.core.report import Section
 from conformance.core.tolerances import ACCEPT_LENGTH_Z, accept_length_tolerance
 from reference.speculative import AcceptStats
 
@@ -36,7 +37,7 @@ def test_trained_draft_has_learned(acceptance, report):
     what full-vocabulary verification accepts)."""
     trained, prediction = acceptance.trained, acceptance.prediction
     summary = trained.summary
-    report.add_row("trained draft", {
+    report.add_row(Section.TRAINED_DRAFT, {
         "recipe": summary["key"], "target": f"fixtures.targets {trained.recipe.target_id}, layer outputs x "
         f"{trained.recipe.layer_output_scale}", "draft": f"{trained.config.num_hidden_layers} layer, hidden "
         f"{trained.config.hidden_size}, draft vocab {trained.config.draft_vocab_size} of {trained.config.vocab_size}",
@@ -67,7 +68,7 @@ def test_predicted_accept_length_matches_simulated(impl, acceptance, report, rep
         predicted, simulated = prediction.accept_length(K), stats.accept_length(K)
         tol = accept_length_tolerance(stats.std(K), stats.rounds)
         ok = abs(simulated - predicted) <= tol
-        report.add_row("accept length: predicted vs simulated", {
+        report.add_row(Section.ACCEPT_PREDICTED, {
             "implementation": impl, "K": K, "predicted (1 + sum full_acc)": predicted, "simulated": simulated,
             "simulated - predicted": simulated - predicted, "tolerance": tol, "rounds": stats.rounds,
             "verdict": "ok" if ok else "FAIL"})
@@ -78,7 +79,7 @@ def test_predicted_accept_length_matches_simulated(impl, acceptance, report, rep
     positions = stats.per_position(K_MAX)
     first_position = None
     for k, row in enumerate(positions):
-        report.add_row("accept length: per position", {
+        report.add_row(Section.ACCEPT_PER_POSITION, {
             "implementation": impl, "position": row["position"], "training full_acc": prediction.full_acc[k],
             "simulated cumulative": row["cumulative"], "training cond_acc": prediction.cond_acc[k],
             "simulated conditional": row["conditional"]})
@@ -109,7 +110,7 @@ def test_oracle_draft_accept_length_is_k_plus_one(acceptance, report):
     trained, target = acceptance.trained, acceptance.target
     stats = simulate(oracle_drafter(target), trained, target, acceptance.requests[:ORACLE_REQUESTS])
     for K in range(1, K_MAX + 1):
-        report.add_row("accept length: oracle draft", {"K": K, "simulated": stats.accept_length(K),
+        report.add_row(Section.ACCEPT_ORACLE, {"K": K, "simulated": stats.accept_length(K),
                                                          "expected (K + 1)": K + 1, "rounds": stats.rounds})
     wrong = {K: stats.accept_length(K) for K in range(1, K_MAX + 1) if stats.accept_length(K) != K + 1}
     assert not wrong, f"oracle vs target [{CASE}]: accept length must be K + 1, got {wrong}"
@@ -127,7 +128,7 @@ def test_whole_generations_are_lossless(acceptance, report, repro):
     lossy = {}
     for K in range(1, K_MAX + 1):
         out, stats = generate(drafter, trained, target, GENERATIONS, NEW_TOKENS, K)
-        report.add_row("accept length over whole generations (reference)", {
+        report.add_row(Section.ACCEPT_GENERATIONS, {
             "K": K, "predicted (1 + sum full_acc)": prediction.accept_length(K),
             "one round per request": acceptance.simulated("reference").accept_length(K),
             "whole generations": stats.accept_length(K), "rounds": stats.rounds,
@@ -160,7 +161,7 @@ def test_planted_fault_lowers_accept_length(fault, acceptance, report, repro):
     for K in range(1, K_MAX + 1):
         diff = correct.lengths(K) - faulty.lengths(K)   # the same rounds, paired
         drops[K] = (float(diff.mean()), accept_length_tolerance(float(diff.std(unbiased=True)), correct.rounds))
-    report.add_row("accept length: planted faults", {
+    report.add_row(Section.ACCEPT_PLANTED, {
         "fault": fault.id, "served by": fault.host, "what": fault.summary,
         "first divergent stage": "none" if first is None else f"step {first.step} {first.stage}",
         "max abs there": None if first is None else first.max_abs,

@@ -2,17 +2,23 @@
 
 An adapter loads a checkpoint directory through the implementation's own loading path and runs the
 draft on a packed `DraftBatch` (reference/eagle3.py), returning a Trace: per draft step, the
-canonical stages of conformance/core/stages.py. Implementation layouts are mapped inside the adapter.
+canonical stages of conformance/core/stages.py. Implementation layouts are mapped inside the adapter,
+and so is everything else the check areas need to know about an implementation (its package, its
+timed pass, its weight accounting, its drafting loop): no area branches on an adapter's name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from importlib import metadata
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Protocol
 
 import torch
 
 from reference.eagle3 import DraftBatch, Eagle3Config
+
+if TYPE_CHECKING:
+    from conformance.loading.accounting import Accounting
 
 
 @dataclass
@@ -22,8 +28,13 @@ class Trace:
     impl: str                                   # adapter name
     dtype: torch.dtype                          # the dtype it ran in
     steps: list[dict[str, torch.Tensor]]        # per step: stage -> tensor, rows = packed tokens
-    rows: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per step: stage -> packed rows it covers, when not all
+    # per step: stage -> the packed rows it covers, when not all
+    rows: list[dict[str, torch.Tensor]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # how the run was set up, for the report
+    # Keyword-only and required: a trace says what it claims and how many layers it has, so no caller
+    # of compare_traces has to look them up (a default would silently compare no layer stages).
+    claimed_stages: frozenset[str] = field(kw_only=True)  # base stage names (without layers.i.) it exposes
+    num_layers: int = field(kw_only=True)                  # decoder layers: the layers.i. stages to walk
 
     def get(self, step: int, stage: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(tensor, rows or None for all rows), or None when the stage is absent at that step."""
@@ -48,23 +59,98 @@ def batch_on(batch: DraftBatch, device: str | torch.device) -> DraftBatch:
     return replace(batch, **moved)
 
 
+def installed_version(package: str | None) -> str | None:
+    """The installed version of `package`, or None (not installed, or no package: the reference)."""
+    if package is None:
+        return None
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------- what the areas drive
+
+# The acceptance simulation's drafter: (draft rows of n requests, their token contexts x_0..x_p, K)
+# -> [n, K] drafted target ids, each request's greedy chain from its last row.
+Drafter = Callable[[DraftBatch, list[torch.Tensor], int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TimedPass:
+    """What a benchmark times: the bare pass (no stage hooks), ready to call repeatedly."""
+
+    call: Callable[[], object]   # one pass; the caller synchronises the device
+    runs: tuple[int, ...]        # the draft steps one call computes: (step,) alone, or (0, ..., step)
+    what: str                    # what the call is, for the benchmark's record
+
+
+def last_rows(batch: DraftBatch) -> torch.Tensor:
+    """The packed row of each sequence's last token."""
+    return torch.bincount(batch.seq_ids).cumsum(0) - 1
+
+
+def chain_drafter(loaded: "LoadedDraft") -> Drafter:
+    """For drafts that draft freely (each step embeds the previous step's d2t-mapped argmax): one
+    unrecorded run of K steps, the chain read at each request's last row."""
+    def draft(batch: DraftBatch, contexts: list[torch.Tensor], K: int) -> torch.Tensor:
+        trace = loaded.run(batch, K, record=False)
+        last = last_rows(batch)
+        chain = []
+        for k in range(K):
+            ids, rows = trace.get(k, "target_ids")
+            chain.append(ids[last] if rows is None else ids)
+        return torch.stack(chain, dim=1)
+    return draft
+
+
 class LoadedDraft(Protocol):
     """A draft loaded by one implementation, ready to run."""
 
-    def run(self, batch: DraftBatch, steps: int = 1) -> Trace:
-        """Trace tensors stay on the device the draft was loaded on (Trace.on_cpu moves them)."""
+    def run(self, batch: DraftBatch, steps: int = 1, record: bool = True) -> Trace:
+        """Every canonical stage it exposes, per step. `record=False`: no stage hooks (nothing cloned);
+        the trace then holds at least draft_ids and target_ids. Tensors stay on the device the draft
+        was loaded on (Trace.on_cpu moves them)."""
+        ...
+
+    def timed_pass(self, batch: DraftBatch, step: int) -> ContextManager[TimedPass]:
+        """The scope in which the benchmark times draft step `step` (0: the EXTEND pass or TTT step 0;
+        1: SGLang's DECODE pass or TTT step 1) on `batch`, which holds teacher-forced ids for step 1."""
+        ...
+
+    def drafter(self) -> Drafter:
+        """Its own greedy drafting loop, for the acceptance simulation."""
         ...
 
 
-class DraftImpl(Protocol):
-    """One implementation under test (or the reference)."""
+class DraftAdapter(Protocol):
+    """One implementation under test (or the reference). Registered in conformance/adapters/__init__.py."""
 
-    name: ClassVar[str]                 # "reference" | "speculators" | "sglang"
-    checkpoint_format: ClassVar[str]    # which on-disk format it loads: "speculators" | "sglang"
+    name: ClassVar[str]                       # the adapter name: test ids, the registry, the report
+    package: ClassVar[str | None]             # the distribution its version comes from (None: the reference)
+    checkpoint_format: ClassVar[str]          # the on-disk format it loads (fixtures/checkpoint.py FORMATS)
     claimed_stages: ClassVar[frozenset[str]]  # base stage names (without layers.i.) it exposes
+    draft_group: ClassVar[int | None]         # requests per drafter call in the acceptance simulation
+                                              # (None: a whole chunk at once)
+    serving_decode: ClassVar[bool]            # steps >= 1 query each request's last token only (a serving
+                                              # DECODE over the cached keys), not every packed row (a TTT step)
+
+    @classmethod
+    def version(cls) -> str | None:
+        """The installed version of `package` (None when it is not installed)."""
+        ...
 
     def unsupported(self, cfg: Eagle3Config) -> str | None:
         """Why this implementation cannot even express `cfg`, or None."""
+        ...
+
+    def fc_runs(self, cfg: Eagle3Config) -> bool:
+        """Whether fc runs at step 0 for this config (the benchmarks' byte count)."""
+        ...
+
+    def dense_attention(self, device: str) -> bool:
+        """Whether its attention on `device` builds a dense mask and score matrix over the whole packed
+        batch (cost and memory grow with the square of the packed tokens)."""
         ...
 
     def load(self, ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = None,
@@ -72,4 +158,9 @@ class DraftImpl(Protocol):
         """Load through the implementation's own path. `server_args` are serving-engine flags
         (SGLang ServerArgs field names); implementations that are not servers ignore them.
         `device`: "cpu" or "cuda", where the weights live and the draft runs."""
+        ...
+
+    def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None) -> Accounting:
+        """Load `ckpt_dir` and account for every checkpoint tensor (conformance/loading/accounting.py).
+        `target`: the target's config (hidden_size, vocab_size), when known."""
         ...

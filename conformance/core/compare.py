@@ -46,6 +46,7 @@ class Comparison:
     case_id: str
     dtype: torch.dtype
     results: list[StageResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)   # the implementation's Trace.notes: how it ran
 
     @property
     def pair(self) -> str:
@@ -115,17 +116,20 @@ def compare_tensors(step: int, stage: str, actual: torch.Tensor, expected: torch
                 detail = f"{excused} mismatch(es) excused: reference top-2 logits within 2*atol(logits)"
         n = int(wrong.sum())
         idx = _index(int(wrong.flatten().nonzero()[0]), wrong.shape) if n else None
-        return StageResult(step, stage, DIVERGED if n else OK, max_abs=float(n), max_rel=float(n) / max(wrong.numel(), 1),
-                           abs_index=idx, rel_index=idx, mismatched=n, numel=wrong.numel(), tol=tol, detail=detail)
+        return StageResult(step, stage, DIVERGED if n else OK, max_abs=float(n),
+                           max_rel=float(n) / max(wrong.numel(), 1), abs_index=idx, rel_index=idx, mismatched=n,
+                           numel=wrong.numel(), tol=tol, detail=detail)
     a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
     floor = 0.0
     if tol.noise and precise is not None and precise.shape == expected.shape:
         floor = float((e - precise.detach().cpu().double()).abs().max())
+    # The pass mask is torch's own (|a - e| <= atol + rtol*|e|, NaN never close); the errors below only
+    # say how far and where.
+    bad = ~torch.isclose(a, e, rtol=tol.rtol, atol=tol.atol + tol.noise * floor)
     diff = (a - e).abs()
     diff = torch.where(torch.isnan(a) | torch.isnan(e), torch.full_like(diff, float("inf")), diff)
     rel = diff / e.abs()
     rel = torch.where(diff == 0, torch.zeros_like(rel), rel)
-    bad = diff > tol.atol + tol.rtol * e.abs() + tol.noise * floor
     n = int(bad.sum())
     ia, ir = int(diff.flatten().argmax()), int(rel.flatten().argmax())
     return StageResult(step, stage, DIVERGED if n else OK, max_abs=float(diff.flatten()[ia]),
@@ -133,23 +137,25 @@ def compare_tensors(step: int, stage: str, actual: torch.Tensor, expected: torch
                        rel_index=_index(ir, rel.shape), mismatched=n, numel=diff.numel(), tol=tol, floor=floor)
 
 
-def compare_traces(actual: Trace, expected: Trace, claimed: frozenset[str], num_layers: int,
-                   case_id: str, steps: int | None = None, precise: Trace | None = None) -> Comparison:
-    """Walk every (step, stage) in forward order; `claimed` are the base stage names `actual` exposes.
+def compare_traces(actual: Trace, expected: Trace, case_id: str, steps: int | None = None,
+                   precise: Trace | None = None) -> Comparison:
+    """Walk every (step, stage) of `expected`'s layers in forward order; a stage `actual` lacks is
+    missing when its base name is in `actual.claimed_stages`, else absent.
 
     `expected` is the reference in `actual`'s dtype; `precise`, the reference in fp64, gives the
     noise floor for dtypes whose tolerance has a noise term.
     """
-    cmp = Comparison(impl=actual.impl, against=expected.impl, case_id=case_id, dtype=actual.dtype)
+    cmp = Comparison(impl=actual.impl, against=expected.impl, case_id=case_id, dtype=actual.dtype,
+                     notes=list(actual.notes))
     for step in range(steps if steps is not None else len(expected.steps)):
-        for stage in S.stage_names(num_layers):
+        for stage in S.stage_names(expected.num_layers):
             ref = expected.get(step, stage)
             if ref is None:
                 continue
             got = actual.get(step, stage)
             base = stage.rsplit(".", 1)[-1]
             if got is None:
-                verdict = MISSING if base in claimed else ABSENT
+                verdict = MISSING if base in actual.claimed_stages else ABSENT
                 cmp.results.append(StageResult(step, stage, verdict))
                 continue
             tensor, rows = got

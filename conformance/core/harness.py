@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import Trace
 from conformance.core.compare import Comparison, compare_traces
-from conformance.core.registry import LOAD, known_divergence
+from conformance.core.common import first_line
+from conformance.core.matching import KnownDivergenceHit  # noqa: F401  (tests import it from here)
+from conformance.core.matching import known_param, match_forward, match_load, settle
+from conformance.core.registry import for_case
 from conformance.core.tolerances import DTYPES
 from fixtures.cases import DraftCase
 from fixtures.checkpoint import write_checkpoints
@@ -23,7 +25,12 @@ from reference.eagle3 import DraftBatch
 
 
 class LoadFailed(Exception):
-    """The implementation's own loader refused a checkpoint; the message is one line."""
+    """The implementation's own loader refused a checkpoint; the message is one line. `error` is the
+    exception class the loader raised and `detail` its first line: what a registry load entry matches."""
+
+    def __init__(self, message: str, error: str = "", detail: str = ""):
+        super().__init__(message)
+        self.error, self.detail = error, detail
 
 
 class DraftStore:
@@ -54,9 +61,10 @@ class DraftStore:
             try:
                 loaded = adapter.load(ckpt, dtype, dict(case.sglang_args), device=self.device)
             except Exception as exc:  # the implementation's loader: keep its own words, on one line
-                first_line = (str(exc).strip().splitlines() or [""])[0].replace(str(self.root) + "/", "")
+                line = first_line(exc).replace(str(self.root) + "/", "")
                 where = ckpt.relative_to(self.root)   # no session temp path: reports stay identical run to run
-                self._traces[key] = LoadFailed(f"{impl} could not load {where}: {type(exc).__name__}: {first_line}")
+                error = type(exc).__name__
+                self._traces[key] = LoadFailed(f"{impl} could not load {where}: {error}: {line}", error, line)
             else:
                 self._traces[key] = loaded.run(self.batch(case, steps, teacher_forced), steps).on_cpu()
         result = self._traces[key]
@@ -67,19 +75,14 @@ class DraftStore:
 
 # ---------------------------------------------------------------- one conformance check
 
-class KnownDivergenceHit(AssertionError):
-    """The registered divergence, at the registered step and stage: what a strict xfail expects."""
-
-
-def conformance_params(impls, dtype_names, cases, extra_id: str = ""):
-    """pytest params impl x dtype x case; a registered divergence makes its param a strict xfail."""
+def conformance_params(impls, dtype_names, cases, extra_id: str = "", steps: int | None = None):
+    """pytest params impl x dtype x case; a registered load failure or divergence makes its param a strict
+    xfail, unless it is registered at a step beyond the `steps` the test compares."""
     for impl in impls:
         for dtype_name in dtype_names:
             for case in cases:
-                known = known_divergence(impl, case)
-                marks = [pytest.mark.xfail(strict=True, raises=KnownDivergenceHit, reason=known.describe())] if known else []
                 ids = "-".join(p for p in (impl, dtype_name, extra_id, case.id) if p)
-                yield pytest.param(impl, dtype_name, case, id=ids, marks=marks)
+                yield known_param(impl, dtype_name, case, id=ids, known=for_case(impl, case, steps))
 
 
 def compare_with_reference(drafts: DraftStore, impl: str, case: DraftCase, dtype_name: str, steps: int = 1,
@@ -89,31 +92,26 @@ def compare_with_reference(drafts: DraftStore, impl: str, case: DraftCase, dtype
     actual = drafts.trace(impl, case, dtype, steps, teacher_forced)
     expected = drafts.trace("reference", case, dtype, steps, teacher_forced)
     precise = drafts.trace("reference", case, torch.float64, steps, teacher_forced)
-    return compare_traces(actual, expected, ADAPTERS[impl].claimed_stages, case.config.num_hidden_layers,
-                          case.id, precise=precise)
+    return compare_traces(actual, expected, case.id, precise=precise)
 
 
 def assert_conforms(drafts: DraftStore, report, impl: str, case: DraftCase, dtype_name: str, nodeid: str,
                     repro: str, steps: int = 1, teacher_forced: bool = True) -> None:
-    """Compare every step and stage, record, and fail with the full message; a registered divergence
-    hit exactly (same step and stage) raises KnownDivergenceHit instead."""
+    """Compare every step and stage, record, and fail with the full message. KnownDivergenceHit instead
+    only when the observation is exactly a registered one: a load refusal with the entry's exception
+    class and message pattern, or the deciding entry's first divergent step and stage."""
     __tracebackhide__ = True
-    known = known_divergence(impl, case)
+    known = for_case(impl, case, steps)
     try:
         comparison = compare_with_reference(drafts, impl, case, dtype_name, steps, teacher_forced)
     except LoadFailed as exc:
-        hit = known is not None and known.stage == LOAD
+        hit = match_load(known, exc.error, exc.detail)
         report.add_load_failure(impl, case.id, dtype_name, nodeid, "known divergence" if hit else "FAIL", str(exc))
-        error = KnownDivergenceHit if hit else AssertionError
-        raise error(f"{impl} vs reference [{case.id}, {dtype_name}]: first divergence at step 0, stage 'load'\n"
-                    f"  {exc}\n  repro: {repro}") from None
+        settle(f"{impl} vs reference [{case.id}, {dtype_name}]: first divergence at step 0, stage 'load'\n"
+               f"  {exc}\n  repro: {repro}", hit)
     first = comparison.first_divergence
-    hit = known is not None and first is not None and (first.step, first.stage) == (known.step, known.stage)
+    hit = match_forward(known, first, case.config.num_hidden_layers)
     outcome = "pass" if first is None else ("known divergence" if hit else "FAIL")
-    report.add(comparison, nodeid, outcome, known.reason if hit else "")
-    if first is None:
-        return
-    message = comparison.message(repro)
-    if hit:
-        raise KnownDivergenceHit(f"{message}\n  known: {known.reason}")
-    raise AssertionError(message)
+    report.add(comparison, nodeid, outcome, hit.reason if hit else "")
+    if first is not None:
+        settle(comparison.message(repro), hit)

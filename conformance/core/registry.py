@@ -1,125 +1,239 @@
-"""The registry of known divergences (known_divergences.toml) and how a case is matched against it.
+"""The one registry of known behaviour (registry.toml) and how an observed failure is matched against it.
 
 An entry holds for an implementation when the installed version is in its `versions` range and its
-`when` condition is true of the case's draft knobs and SGLang server flags. The condition language is
-a small, safe subset of Python expressions (names, constants, comparisons, and/or/not, + - *),
-checked when the file is read.
+`when` condition is true of the names its area defines (NAMES: draft knobs, server flags, tree shape,
+target wiring facts, server settings). The condition language is a small, safe subset of Python
+expressions (names, constants, tuples, comparisons, in, and/or/not, + - *), checked when the file is read.
+
+An entry names the exact place and the observed signature of what it knows (AREAS); the matchers
+below return an entry only when an observation equals them, so a different failure is never hidden.
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 import tomllib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
 from pathlib import Path
+from typing import NoReturn
 
 from packaging.specifiers import SpecifierSet
 
-from conformance.core.stages import stage_names
+from conformance.core.stages import TREE, TREE_FINAL, stage_names
 from fixtures.cases import DraftCase
 from reference.eagle3 import Eagle3Config
 
-REGISTRY_FILE = Path(__file__).with_name("known_divergences.toml")
-LOAD = "load"   # the stage name for "the implementation's own loader refused the checkpoint"
-PACKAGES = {"sglang": "sglang", "speculators": "speculators"}   # adapter -> the package its version comes from
-SERVER_FLAGS = ("speculative_draft_window_size",)               # server flags a condition may name
-FIELDS = ("id", "impl", "versions", "when", "step", "stage", "reason")
-ALLOWED_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.BinOp, ast.Add,
-                 ast.Sub, ast.Mult, ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE,
-                 ast.Name, ast.Load, ast.Constant)
-KNOBS = frozenset(f.name for f in dataclasses.fields(Eagle3Config)) | frozenset(SERVER_FLAGS)
+REGISTRY_FILE = Path(__file__).with_name("registry.toml")
+COMMON = ("area", "id", "impl", "versions", "when", "reason")
+AREAS = {   # area -> the fields that name its exact place and observed signature
+    "draft": ("step", "stage"),          # first divergent step and stage of the draft forward
+    "tree": ("step", "stage"),           # the same for SGLang's tree draft
+    "load": ("error", "message"),        # the loader's exception class, a regex searched in its message
+    "wiring": ("kind",),                 # the slot mismatch of SGLang's aux capture
+    "accounting": ("problem", "tensors"),  # the weight-accounting problem and the tensors it names
+    "settings": ("setting",),            # the server setting the finding is about
+}
+OPTIONAL = {"settings": ("shown_by",)}   # another entry's id that shows the behaviour in a comparison
+
+KNOBS = frozenset(f.name for f in dataclasses.fields(Eagle3Config))
+SERVER_FLAGS = ("speculative_draft_window_size",)   # the server flags a draft case may carry
+SERVER_SETTINGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+                   "speculative_algorithm", "speculative_token_map", "speculative_draft_window_size",
+                   "speculative_draft_sink_size", "speculative_use_rejection_sampling",
+                   "speculative_accept_threshold_single", "speculative_accept_threshold_acc", "max_running_requests")
+WIRING_KINDS = ("config refused", "capture failed", "default list", "slot missing", "one layer shallower",
+                "one layer deeper", "wrong layers")
+ACCOUNTING_PROBLEMS = {"dropped silently": "dropped", "never loaded": "never_loaded",
+                       "differs from checkpoint": "differs", "NaN/inf after loading": "nan"}   # -> Accounting field
+DRAFT_NAMES = KNOBS | frozenset(SERVER_FLAGS)
+NAMES = {
+    "draft": DRAFT_NAMES, "load": DRAFT_NAMES, "accounting": DRAFT_NAMES,
+    "tree": KNOBS | {"topk", "steps", "num_draft_tokens"},
+    "wiring": frozenset({"target", "target_class", "format", "case", "trainer", "num_layers", "trained_on_default",
+                         "config_has_ids", "first_config_id", "min_config_id", "max_config_id", "config_shift"}),
+    "settings": KNOBS | frozenset(SERVER_SETTINGS) | {"config_has_draft_vocab_size"},
+}
+SETTINGS = frozenset(SERVER_SETTINGS) | {"embed_tokens", "lm_head"}
+ALLOWED_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.BinOp, ast.Add,
+                 ast.Sub, ast.Mult, ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In,
+                 ast.NotIn, ast.Tuple, ast.Name, ast.Load, ast.Constant)
 
 
 class RegistryError(ValueError):
-    """A malformed registry entry; the message names the file, the entry and the field."""
+    """A malformed registry entry; the message (one line) names the file, the entry and the field."""
 
 
 @dataclass(frozen=True)
-class KnownDivergence:
+class Known:
+    area: str
     id: str
     impl: str              # adapter name
     versions: str          # PEP 440 specifier for the implementation's package
-    when: str              # condition over knobs and server flags
-    step: int              # the draft step where it first shows
-    stage: str             # first divergent stage, or "load"
+    when: str              # condition over the area's names
     reason: str            # why, with file:line
+    step: int | None = None
+    stage: str | None = None
+    error: str | None = None
+    message: str | None = None
+    kind: str | None = None
+    problem: str | None = None
+    tensors: tuple[str, ...] = ()
+    setting: str | None = None
+    shown_by: str | None = None
+
+    @property
+    def place(self) -> str:
+        return {"draft": f"step {self.step} `{self.stage}`", "tree": f"step {self.step} `{self.stage}`",
+                "load": f"load refused: {self.error} /{self.message}/", "wiring": str(self.kind),
+                "accounting": f"{self.problem}: {', '.join(self.tensors)}", "settings": str(self.setting)}[self.area]
 
     def describe(self) -> str:
-        return f"{self.impl} when {self.when}: first divergence at step {self.step}, '{self.stage}'. {self.reason}"
+        return f"{self.impl} {self.versions} when {self.when}: {self.place} ({self.id}). {self.reason}"
 
-    def condition_holds(self, case: DraftCase) -> bool:
-        names = {**dataclasses.asdict(case.config), **{flag: None for flag in SERVER_FLAGS}, **dict(case.sglang_args)}
-        return bool(eval(_compiled(self.when), {"__builtins__": {}}, names))  # validated: see _compiled
+    def condition_holds(self, names: Mapping[str, object]) -> bool:
+        return bool(eval(_compiled(self.when, self.area), {"__builtins__": {}}, dict(names)))  # validated
 
     def version_holds(self) -> bool:
-        # An implementation that is not installed has no known divergence: its tests then fail on
-        # the import, which names the missing package, instead of passing as expected failures.
+        # An implementation that is not installed has no known behaviour: its tests then fail on the
+        # import, which names the missing package, instead of passing as expected failures.
         version = installed_version(self.impl)
         return version is not None and version in SpecifierSet(self.versions)
 
-    def applies(self, case: DraftCase) -> bool:
-        return self.version_holds() and self.condition_holds(case)
+    def applies(self, names: Mapping[str, object]) -> bool:
+        return self.version_holds() and self.condition_holds(names)
 
 
 @cache
-def _compiled(condition: str):
+def _compiled(condition: str, area: str):
     tree = ast.parse(condition, mode="eval")
     for node in ast.walk(tree):
         if not isinstance(node, ALLOWED_NODES):
             raise RegistryError(f"condition {condition!r}: {type(node).__name__} is not allowed")
-        if isinstance(node, ast.Name) and node.id not in KNOBS and node.id != "None":
-            raise RegistryError(f"condition {condition!r}: unknown knob {node.id!r}")
-    return compile(tree, "<known_divergences.toml>", "eval")
+        if isinstance(node, ast.Name) and node.id not in NAMES[area] and node.id != "None":
+            raise RegistryError(f"condition {condition!r}: unknown name {node.id!r} for area {area!r}")
+    return compile(tree, "<registry.toml>", "eval")
+
+
+def adapter_package(impl: str) -> str | None:
+    """The distribution an adapter's version comes from (None: the reference, which has no entries)."""
+    from conformance.adapters import ADAPTERS   # here, not at import: adapters may read the registry
+
+    return getattr(ADAPTERS[impl], "package", impl)   # older adapters without `package`: named as their package
 
 
 @cache
 def installed_version(impl: str) -> str | None:
+    package = adapter_package(impl)
     try:
-        return metadata.version(PACKAGES[impl])
+        return None if package is None else metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
 
 
-def load_registry(path: Path = REGISTRY_FILE) -> tuple[KnownDivergence, ...]:
+# ---------------------------------------------------------------- reading and validating
+
+def _check(item: dict, area: str, where: str, stage_ok) -> None:
+    def bad(field: str, why: str) -> NoReturn:
+        raise RegistryError(f"{where}: field '{field}': {why}")
+
+    for field in COMMON + AREAS[area] + OPTIONAL.get(area, ()):
+        value = item.get(field)
+        if field == "step" and not (isinstance(value, int) and value >= 0):
+            bad(field, f"{value!r} is not a step (an integer >= 0)")
+        elif field == "tensors" and not (isinstance(value, list) and value and all(isinstance(t, str) for t in value)):
+            bad(field, f"{value!r} is not a non-empty list of tensor-name patterns")
+        elif field not in ("step", "tensors") and field in item and not isinstance(value, str):
+            bad(field, f"{value!r} is not a string")
+    from conformance.adapters import ADAPTERS   # here, not at import: adapters may read the registry
+
+    if item["impl"] not in ADAPTERS or adapter_package(item["impl"]) is None:
+        bad("impl", f"{item['impl']!r} is not an implementation under test")
+    try:
+        SpecifierSet(item["versions"])
+    except Exception as exc:
+        bad("versions", str(exc))
+    try:
+        _compiled(item["when"], area)
+    except (SyntaxError, RegistryError) as exc:
+        bad("when", str(exc).splitlines()[0])
+    for field, patterns in (("message", [item.get("message")]), ("tensors", item.get("tensors", []))):
+        for pattern in filter(None, patterns):
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                bad(field, f"{pattern!r} is not a regex: {exc}")
+    if "stage" in item and not stage_ok(item["stage"]):
+        bad("stage", f"{item['stage']!r} is not a canonical stage of its area")
+    if area == "load" and not item["error"].isidentifier():
+        bad("error", f"{item['error']!r} is not an exception class name")
+    if area == "wiring" and item["kind"] not in WIRING_KINDS:
+        bad("kind", f"{item['kind']!r} is not one of {list(WIRING_KINDS)}")
+    if area == "accounting" and item["problem"] not in ACCOUNTING_PROBLEMS:
+        bad("problem", f"{item['problem']!r} is not one of {list(ACCOUNTING_PROBLEMS)}")
+    if area == "settings" and item["setting"] not in SETTINGS:
+        bad("setting", f"{item['setting']!r} is not a server setting the findings know")
+
+
+def load_registry(path: Path = REGISTRY_FILE) -> tuple[Known, ...]:
     """Read and validate the registry; a problem raises RegistryError naming the file, entry and field."""
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise RegistryError(f"{path.name}: not valid TOML: {exc}") from None
+    if set(raw) - {"known"}:
+        raise RegistryError(f"{path.name}: unknown tables {sorted(set(raw) - {'known'})} (entries are [[known]])")
+    layer_stages = frozenset(stage_names(4))
+    stage_ok = {"draft": layer_stages.__contains__, "tree": (layer_stages | set(TREE) | set(TREE_FINAL)).__contains__}
     entries = []
-    for n, item in enumerate(raw.get("divergence", []), 1):
-        where = f"{path.name}: divergence #{n} ({item.get('id', 'no id')})"
-        missing = [f for f in FIELDS if f not in item]
-        extra = sorted(set(item) - set(FIELDS))
+    for n, item in enumerate(raw.get("known", []), 1):
+        where = f"{path.name}: entry #{n} ({item.get('id', 'no id')})"
+        area = item.get("area")
+        if area not in AREAS:
+            raise RegistryError(f"{where}: field 'area': {area!r} is not one of {list(AREAS)}")
+        fields = COMMON + AREAS[area]
+        missing = [f for f in fields if f not in item]
+        extra = sorted(set(item) - set(fields) - set(OPTIONAL.get(area, ())))
         if missing or extra:
-            raise RegistryError(f"{where}: missing fields {missing}, unknown fields {extra}")
-        if item["impl"] not in PACKAGES:
-            raise RegistryError(f"{where}: impl {item['impl']!r} is not one of {sorted(PACKAGES)}")
-        try:
-            SpecifierSet(item["versions"])
-            _compiled(item["when"])
-        except Exception as exc:
-            raise RegistryError(f"{where}: {exc}") from None
-        base = item["stage"].rsplit(".", 1)[-1]
-        if item["stage"] != LOAD and item["stage"] not in stage_names(4):
-            raise RegistryError(f"{where}: stage {item['stage']!r} ({base}) is not a canonical stage")
-        entries.append(KnownDivergence(**{f: item[f] for f in FIELDS}))
+            raise RegistryError(f"{where}: missing fields {missing}, unknown fields {extra} for area {area!r}")
+        _check(item, area, where, stage_ok.get(area))
+        entries.append(Known(**{**item, "tensors": tuple(item.get("tensors", ()))}))
     ids = [e.id for e in entries]
     if len(ids) != len(set(ids)):
         raise RegistryError(f"{path.name}: duplicate ids {sorted({i for i in ids if ids.count(i) > 1})}")
+    for n, e in enumerate(entries, 1):
+        if e.shown_by is not None and e.shown_by not in ids:
+            raise RegistryError(f"{path.name}: entry #{n} ({e.id}): field 'shown_by': no entry {e.shown_by!r}")
     return tuple(entries)
 
 
-KNOWN_DIVERGENCES: tuple[KnownDivergence, ...] = load_registry()
+REGISTRY: tuple[Known, ...] = load_registry()
 
 
-def known_divergence(impl: str, case: DraftCase,
-                     registry: tuple[KnownDivergence, ...] = KNOWN_DIVERGENCES) -> KnownDivergence | None:
-    """The entry that decides this (implementation, case) pair: the earliest step and stage wins."""
-    hits = [d for d in registry if d.impl == impl and d.applies(case)]
-    if not hits:
-        return None
-    order = {LOAD: -1, **{name: i for i, name in enumerate(stage_names(case.config.num_hidden_layers))}}
-    return min(hits, key=lambda d: (d.step, order.get(d.stage, len(order))))
+# ---------------------------------------------------------------- which entries apply
+
+def case_names(case: DraftCase) -> dict[str, object]:
+    """The names a draft / load / accounting condition reads: the case's knobs and server flags."""
+    return {**dataclasses.asdict(case.config), **{flag: None for flag in SERVER_FLAGS}, **dict(case.sglang_args)}
+
+
+def applicable(areas: str | Iterable[str], impl: str, names: Mapping[str, object],
+               registry: Sequence[Known] = REGISTRY) -> tuple[Known, ...]:
+    """The entries of `areas` for `impl` whose version range and condition hold, in file order."""
+    areas = {areas} if isinstance(areas, str) else set(areas)
+    return tuple(e for e in registry if e.area in areas and e.impl == impl and e.applies(names))
+
+
+def for_case(impl: str, case: DraftCase, steps: int | None = None,
+             registry: Sequence[Known] = REGISTRY) -> tuple[Known, ...]:
+    """The load entries and the draft entries within the compared `steps` (None: all) that apply."""
+    known = applicable(("load", "draft"), impl, case_names(case), registry)
+    return tuple(e for e in known if e.area == "load" or steps is None or e.step < steps)
+
+
+def for_accounting(impl: str, case: DraftCase, registry: Sequence[Known] = REGISTRY) -> tuple[Known, ...]:
+    """The accounting entries and the load entries (a refusal is a load failure) that apply."""
+    return applicable(("accounting", "load"), impl, case_names(case), registry)

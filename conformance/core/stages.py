@@ -20,6 +20,7 @@ LAYER = (
     "residual",         # what the attention output is added to
     "attn_in",          # q/k/v projection input: [embeds_norm, hidden_norm] on layer 0
     "q", "k", "v",      # [T, heads, head_dim], before RoPE
+    "q_norm", "k_norm", # qwen3 draft layers only: per-head RMSNorm of q and k, before RoPE
     "q_rot", "k_rot",   # after RoPE
     "attn_core",        # attention output before o_proj, [T, nh*hd]
     "attn_out",         # after o_proj

@@ -56,7 +56,8 @@ def tol_for(kind: str, dtype: torch.dtype) -> Tol:
     try:
         return TOLERANCES[(kind, dtype)]
     except KeyError:
-        raise KeyError(f"no tolerance for stage kind {kind!r} in {dtype}; add it to conformance/core/tolerances.py") from None
+        raise KeyError(f"no tolerance for stage kind {kind!r} in {dtype}; "
+                       "add it to conformance/core/tolerances.py") from None
 
 
 # ---------------------------------------------------------------- accept length (conformance/acceptance/acceptance.py)

@@ -25,8 +25,9 @@ from safetensors import safe_open
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
 from conformance.adapters.base import Trace
 from conformance.core.compare import compare_traces
-from fixtures.checkpoint import WEIGHTS_FILE, write_checkpoints
-from conformance.checkpoints.formats import expected_tensors
+from conformance.checkpoints import WEIGHTS_FILE
+from fixtures.checkpoint import write_checkpoints
+from conformance.checkpoints import expected_tensors
 from fixtures.real_shapes import SHAPES
 from fixtures.tiny import make_batch, make_config, make_vocab_map
 from reference.eagle3 import Eagle3Config, Eagle3Reference
@@ -102,7 +103,8 @@ def run(shape: str, workdir: Path) -> dict:
     expected = ADAPTERS["reference"]().load(dirs["speculators"], torch.bfloat16).run(batch)
     lap("reference bf16")
     model = reference_fp32(dirs["speculators"], cfg)
-    precise = Trace("reference", torch.float32, model.run(batch), [{}])
+    precise = Trace("reference", torch.float32, model.run(batch), [{}], claimed_stages=expected.claimed_stages,
+                    num_layers=cfg.num_hidden_layers)
     del model
     lap("reference fp32 (noise floor)")
 
@@ -113,7 +115,7 @@ def run(shape: str, workdir: Path) -> dict:
         actual = loaded.run(batch)
         del loaded
         lap(f"{impl} bf16")
-        c = compare_traces(actual, expected, adapter.claimed_stages, cfg.num_hidden_layers, shape, precise=precise)
+        c = compare_traces(actual, expected, shape, precise=precise)
         first = c.first_divergence
         comparisons.append({"impl": impl, "first_divergence": None if first is None else
                             {"step": first.step, "stage": first.stage, "max_abs": first.max_abs},

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conformance.core.report import Section
+
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ("llama31_8b", "kimi_k25")
 RAM_BUDGET_GIB = 16   # reported against, not asserted: the figure is what matters
@@ -35,7 +37,7 @@ def run_shape(shape: str, workdir: Path) -> dict:
 def test_real_size_step0_on_cpu(shape, benchmark, report, tmp_path):
     out = benchmark.pedantic(run_shape, args=(shape, tmp_path), rounds=1, iterations=1)
     benchmark.extra_info.update({k: out[k] for k in ("parameters", "peak_rss_gib", "total_seconds", "seconds")})
-    report.add_row("real-size step 0 on CPU (bf16)", {
+    report.add_row(Section.REAL_SIZE, {
         "shape": shape, "parameters": out["parameters"], "tokens": out["tokens"],
         "seconds": out["total_seconds"], "peak RSS GiB": out["peak_rss_gib"], "budget GiB": RAM_BUDGET_GIB,
         "phases (s)": ", ".join(f"{k} {v}" for k, v in out["seconds"].items()),

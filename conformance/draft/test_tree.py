@@ -34,7 +34,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,53 +42,21 @@ import torch
 from conformance.core import stages
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import Trace
-from conformance.adapters.sglang.draft import draft_kv_layout, eager_tree_helpers
+from conformance.adapters.sglang.drafting import draft_kv_layout, eager_tree_helpers
 from conformance.core.compare import Comparison, compare_traces, compare_tensors
-from conformance.core.harness import KnownDivergenceHit
+from conformance.core.matching import known_param, match_forward, settle
+from conformance.core.report import Section
+from conformance.draft.tree_cases import TREE_CASES, TreeCase, known_tree
 from fixtures.cases import CASES_BY_ID
 from reference.tree import draft_tree
 
 DTYPE = torch.float32
 
 
-@dataclass(frozen=True)
-class TreeCase:
-    id: str
-    draft: str               # the DraftCase (fixtures/cases.py) whose checkpoint and batch are drafted from
-    topk: int                # --speculative-eagle-topk
-    steps: int               # --speculative-num-steps
-    num_draft_tokens: int    # --speculative-num-draft-tokens
-
-    @property
-    def reselects(self) -> bool:
-        """A draft pass after a reselection exists: SGLang's KV columns then part from the ancestors."""
-        return self.topk > 1 and self.steps >= 3
-
-
-TREE_CASES = (
-    TreeCase("tree_k2_s2", "ms_gqa", topk=2, steps=2, num_draft_tokens=4),
-    TreeCase("tree_k4_s2", "ms_gqa", topk=4, steps=2, num_draft_tokens=12),
-    TreeCase("tree_k2_s3", "ms_gqa", topk=2, steps=3, num_draft_tokens=7),
-    TreeCase("tree_k4_s5", "ms_gqa", topk=4, steps=5, num_draft_tokens=21),
-    TreeCase("tree_k2_s4_norm_output", "ms_norm_output", topk=2, steps=4, num_draft_tokens=8),
-)
-
-ROW_SLOT_KV = (2, "layers.0.attn_core",
-               "SGLang's draft-decode row b*topk+r reads request b's prefix plus KV column r "
-               "(kernels/ops/speculative/cache_locs.py:262-268, intel_amx_backend.py:461-487, "
-               "flashattention_backend.py:986-991), which holds the nodes that held row r before, while "
-               "after a reselection its parent is row pick // topk (speculative/spec_utils.py:451-464): "
-               "a node attends to another branch's keys instead of its ancestors'")
-
-
 def make_tree_params(cases, divergent_marks: bool):
+    """One param per case; with `divergent_marks`, a registered tree divergence makes it a strict xfail."""
     for case in cases:
-        marks = []
-        if divergent_marks and case.reselects:
-            step, stage, reason = ROW_SLOT_KV
-            marks = [pytest.mark.xfail(strict=True, raises=KnownDivergenceHit,
-                                       reason=f"first divergence at step {step}, '{stage}': {reason}")]
-        yield pytest.param(case, id=case.id, marks=marks)
+        yield known_param(case, id=case.id, known=known_tree(case) if divergent_marks else ())
 
 
 @pytest.fixture(scope="module")
@@ -113,14 +80,14 @@ def make_reference_tree(drafts, case: TreeCase, kv: str) -> Trace:
     ref = ADAPTERS["reference"]().load(drafts.checkpoint(draft)["speculators"], DTYPE).model
     steps = draft_tree(ref, drafts.batch(draft, 1), case.steps, case.topk, case.num_draft_tokens, kv=kv)
     name = "reference tree" if kv == "ancestors" else "reference tree with SGLang's row-slot KV"
-    return Trace(impl=name, dtype=DTYPE, steps=steps, rows=[{} for _ in steps])
+    return Trace(impl=name, dtype=DTYPE, steps=steps, rows=[{} for _ in steps],
+                 claimed_stages=ADAPTERS["reference"].claimed_stages, num_layers=draft.config.num_hidden_layers)
 
 
 def compare_tree(actual: Trace, expected: Trace, case: TreeCase) -> Comparison:
     """Every step: its canonical stages in forward order, then its candidates and selection; the
     tree after the last step."""
-    layers = CASES_BY_ID[case.draft].config.num_hidden_layers
-    cmp = compare_traces(actual, expected, ADAPTERS["sglang"].claimed_stages, layers, f"{case.id} on {case.draft}")
+    cmp = compare_traces(actual, expected, f"{case.id} on {case.draft}")
     results = []
     for step in range(case.steps):
         results += [r for r in cmp.results if r.step == step]
@@ -135,7 +102,7 @@ def record_tree_row(report, case: TreeCase, cmp: Comparison, outcome: str) -> No
     first = cmp.first_divergence
     measured = [r for r in cmp.results if r.max_abs is not None and stages.stage_kind(r.stage) != "ids"]
     worst = first if first is not None else max(measured, key=lambda r: r.max_abs)
-    report.add_row("tree drafting", {
+    report.add_row(Section.TREE, {
         "case": case.id, "draft": case.draft, "topk": case.topk, "steps": case.steps,
         "draft tokens": case.num_draft_tokens, "against": cmp.against, "outcome": outcome,
         "first divergence": "conforms" if first is None else f"step {first.step} `{first.stage}`",
@@ -149,20 +116,17 @@ def test_multistep_tree_matches_exact_tree(case, drafts, sglang_trees, report, r
     """SGLang's tree vs the exact tree: every node attends to the prefix, its ancestors and itself."""
     cmp = compare_tree(sglang_trees(case), make_reference_tree(drafts, case, "ancestors"), case)
     first = cmp.first_divergence
-    hit = case.reselects and first is not None and (first.step, first.stage) == ROW_SLOT_KV[:2]
+    hit = match_forward(known_tree(case), first, CASES_BY_ID[case.draft].config.num_hidden_layers)
     record_tree_row(report, case, cmp, "pass" if first is None else ("known divergence" if hit else "FAIL"))
-    if first is None:
-        return
-    if hit:
-        raise KnownDivergenceHit(f"{cmp.message(repro)}\n  known: {ROW_SLOT_KV[2]}")
-    raise AssertionError(cmp.message(repro))
+    if first is not None:
+        settle(cmp.message(repro), hit)
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("case", list(make_tree_params([c for c in TREE_CASES if c.reselects], divergent_marks=False)))
+@pytest.mark.parametrize("case", list(make_tree_params([c for c in TREE_CASES if known_tree(c)], False)))
 def test_multistep_tree_row_slot_kv_explains_the_divergence(case, drafts, sglang_trees, report, repro):
-    """The reference with SGLang's KV layout (row r reads column r) matches SGLang at every step and
-    stage: that layout is the whole difference from the exact tree."""
+    """For every case with the registered tree divergence: the reference with SGLang's KV layout (row r
+    reads column r) matches SGLang at every step and stage: that layout is the whole difference."""
     cmp = compare_tree(sglang_trees(case), make_reference_tree(drafts, case, "row_slots"), case)
     record_tree_row(report, case, cmp, "pass" if cmp.first_divergence is None else "FAIL")
     assert cmp.first_divergence is None, cmp.message(repro)

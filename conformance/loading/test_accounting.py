@@ -8,11 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conformance.core.report import Section
 from conformance.loading.accounting import account, knob_rows, vocab_map_problems
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
-from conformance.core.registry import known_divergence
+from conformance.core.matching import known_param, settle_accounting
+from conformance.core.registry import for_accounting
 from fixtures.cases import CASES_BY_ID, STEP0_CASES
-from fixtures.checkpoint import WEIGHTS_FILE, edited_copy, sha256
+from conformance.checkpoints import WEIGHTS_FILE, sha256
+from fixtures.checkpoint import edited_copy
 from fixtures.tiny import make_config, make_vocab_map
 
 pytestmark = pytest.mark.cpu
@@ -28,22 +31,16 @@ def accounts_of(drafts, case) -> dict:
     return _ACCOUNTS[case.id]
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("case", STEP0_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case,impl", [known_param(case, impl, id=f"{case.id}-{impl}", known=for_accounting(impl, case))
+                                       for case in STEP0_CASES for impl in IMPLEMENTATIONS])
 def test_every_tensor_is_accounted_for(case, impl, drafts, report, repro):
     accounts = accounts_of(drafts, case)
     acct = accounts[impl]
-    report.add_row("weight accounting", acct.row(case.id))
+    report.add_row(Section.WEIGHT_ACCOUNTING, acct.row(case.id))
     if impl == IMPLEMENTATIONS[0]:   # the knobs that disagree, once per case
         for row in knob_rows(case.id, list(accounts.values()), only_disagreements=True):
-            report.add_row("effective knobs", row)
-    if not acct.problems:
-        return
-    message = f"{impl} weight accounting [{case.id}]: " + "; ".join(acct.problems) + f"\n  repro: {repro}"
-    known = known_divergence(impl, case)
-    if known is not None:   # the load-time face of a registered divergence, demonstrated just now
-        pytest.xfail(f"{message}\n  known: {known.describe()}")
-    raise AssertionError(message)
+            report.add_row(Section.EFFECTIVE_KNOBS, row)
+    settle_accounting(acct, for_accounting(impl, case), f"{impl} weight accounting [{case.id}]", repro)
 
 
 # ---------------------------------------------------------------- planted problems (harness self-tests)

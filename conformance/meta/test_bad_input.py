@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conformance.user.user_draft import configure_user_inputs, input_files, validate_inputs
-from fixtures.checkpoint import sha256
+from conformance.checkpoints import sha256
 from conformance.user.example_draft import write_example
-from conformance.checkpoints.formats import CheckpointError
+from conformance.checkpoints import CheckpointError
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """Checkpoint formats: every writer against its reader (bit-exact tensors, every knob), detection,
-conversion both ways, legacy names through SGLang's own loader, and the format knowledge kept in
-step with the tiny-weight factory and the harness's own speculators reader.
+conversion both ways, legacy names and the partial-rotary key through SGLang's own loader, and the
+tensor schema against the model speculators builds from the same config.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conformance.adapters import ADAPTERS
+from conformance.checkpoints import (WRITABLE, CheckpointError, ConversionError, config_json, convert, detect_format,
+                                    expected_tensors, open_checkpoint, read_weights, write_draft)
 from fixtures.cases import ALL_CASES, CASES_BY_ID
-from fixtures.checkpoint import read_speculators_config, write_checkpoints
-from conformance.checkpoints.formats import (WRITABLE, CheckpointError, ConversionError, convert, detect_format, expected_tensors,
-                              open_checkpoint, read_weights, write_draft)
+from fixtures.checkpoint import write_checkpoints
 from fixtures.tiny import make_config, make_draft_weights
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
@@ -147,20 +147,38 @@ def test_sharded_and_bin_checkpoints_read_like_one_file(tmp_path):
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.id)
-def test_expected_tensors_match_the_tiny_weight_factory(case):
-    expected = expected_tensors(case.config)
-    weights = weights_of(case.config)
-    assert set(expected) == set(weights), sorted(set(expected) ^ set(weights))
-    for name, (shape, kind) in expected.items():
-        assert tuple(weights[name].shape) == shape, name
+def test_the_tensor_schema_is_what_speculators_builds(case):
+    """expected_tensors (what fixtures/tiny.py generates and user checkpoints are checked against) names
+    the tensors, with their shapes, that speculators' Eagle3DraftModel holds for the same config.json;
+    known exceptions: its fc is A*hidden_size wide (core.py:76-78), a tied lm_head is embed_tokens."""
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    cfg = case.config
+    config = Eagle3SpeculatorConfig.model_validate(config_json(cfg, "speculators"))
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    with torch.device("meta"):   # shapes only: no memory, no init
+        model = Eagle3DraftModel(config)
+    # verifier_*: the training-only teacher head, never saved (core.py:39-42)
+    built = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith("verifier_")}
+    if cfg.tie_word_embeddings:   # tied to embed_tokens when loaded (transformers' tie_weights): never stored
+        del built["lm_head.weight"]
+    schema = {k: shape for k, (shape, _) in expected_tensors(cfg).items()}
+    if cfg.target_hidden_size != cfg.hidden_size:
+        wide = {k for k in schema if k == "fc.weight" or k.startswith("fc_norm.")}
+        assert {k: built[k] for k in wide} != {k: schema[k] for k in wide}, "speculators now builds fc from Ht"
+        built, schema = ({k: v for k, v in d.items() if k not in wide} for d in (built, schema))
+    assert built == schema, {k: (built.get(k), schema.get(k)) for k in set(built) | set(schema)
+                             if built.get(k) != schema.get(k)}
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.id)
-def test_reader_agrees_with_the_harness_speculators_reader(case, tmp_path):
-    """conformance/checkpoints/formats.py and fixtures/checkpoint.read_speculators_config read the same knobs."""
+def test_the_harness_checkpoints_read_back_as_their_case(case, tmp_path):
+    """fixtures/checkpoint.py's two directories (one weight file, two configs) read back every knob."""
     dirs = write_checkpoints(case.config, weights_of(case.config), tmp_path)
-    assert open_checkpoint(dirs["speculators"]).config == read_speculators_config(dirs["speculators"]) == case.config
-    assert open_checkpoint(dirs["sglang"]).config == case.config
+    for fmt, d in dirs.items():
+        assert open_checkpoint(d).format == fmt and open_checkpoint(d).config == case.config, fmt
+    assert (dirs["speculators"] / "model.safetensors").read_bytes() == (dirs["sglang"] / "model.safetensors").read_bytes()
 
 
 def test_detection_names_the_field_when_it_is_no_draft(tmp_path):
@@ -182,3 +200,60 @@ def test_original_eagle_configs_read_as_eagle(tmp_path):
     (out / "config.json").write_text(json.dumps(raw))
     ckpt = open_checkpoint(out)
     assert ckpt.format == "eagle" and ckpt.config == cfg
+
+
+# ---------------------------------------------------------------- qwen3 layers and partial rotary
+
+def test_partial_rotary_is_read_where_transformers_reads_it(tmp_path):
+    """The RoPE block's partial_rotary_factor wins over the top-level key (transformers'
+    convert_rope_params_to_dict); SGLang reads only the top-level one (llama.py:199-200), so a flat
+    config whose value sits only in the block is noted as read differently; the writers put it where
+    each reader looks."""
+    cfg = CASES_BY_ID["partial_rotary"].config
+    assert config_json(cfg, "sglang")["partial_rotary_factor"] == 0.5
+    spec = config_json(cfg, "speculators")["transformer_layer_config"]
+    assert spec["rope_parameters"]["partial_rotary_factor"] == 0.5 and "partial_rotary_factor" not in spec
+    raw = config_json(cfg, "sglang")
+    raw.update(partial_rotary_factor=0.25, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.5})
+    parsed = parse_config(raw, tmp_path / "config.json", "sglang")
+    assert parsed.knobs["partial_rotary_factor"] == 0.5
+    assert any("SGLang reads only the top-level key" in n and "llama.py:199-200" in n for n in parsed.notes), parsed.notes
+    raw.update(partial_rotary_factor=0.5)
+    assert not any("partial_rotary_factor" in n for n in parse_config(raw, tmp_path / "config.json", "sglang").notes)
+    raw.update(partial_rotary_factor=0.3, rope_parameters=None)   # 0.3 * 12 = 3 channels: no pairs to rotate
+    assert parse_config(raw, tmp_path / "config.json", "sglang").problems[0][0] == "field partial_rotary_factor"
+
+
+def test_sglang_rotates_the_full_head_when_the_factor_is_only_in_the_rope_block(drafts, tmp_path):
+    """The reading the note above names, shown on SGLang's own model: the same weights with the factor
+    moved from the top level into rope_parameters change SGLang's k_rot (and nothing before it)."""
+    case = CASES_BY_ID["partial_rotary"]
+    top = write_draft(case.config, weights_of(case.config), tmp_path / "top", "sglang")
+    block = convert(top, tmp_path / "block", "sglang")
+    raw = json.loads((block / "config.json").read_text())
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": raw["rope_theta"],
+                              "partial_rotary_factor": raw.pop("partial_rotary_factor")}
+    (block / "config.json").write_text(json.dumps(raw))
+    assert open_checkpoint(block).config == case.config
+    batch = drafts.batch(case)
+    runs = [ADAPTERS["sglang"]().load(d, torch.float32).run(batch).steps[0] for d in (top, block)]
+    assert torch.equal(runs[0]["layers.0.k"], runs[1]["layers.0.k"])
+    assert not torch.equal(runs[0]["layers.0.k_rot"], runs[1]["layers.0.k_rot"]), "SGLang now reads rope_parameters"
+
+
+def test_qwen3_layers_are_read_from_model_type(tmp_path):
+    """model_type qwen3 is speculators' draft_arch qwen3 (model_definitions.py:135-142); its MLP has no
+    biases whatever the config says; SpecForge and the original EAGLE-3 trainer never trained it."""
+    cfg = CASES_BY_ID["qwen3_qk_norm"].config
+    assert {"layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight"} <= set(expected_tensors(cfg))
+    raw = config_json(cfg, "speculators")
+    raw["transformer_layer_config"]["mlp_bias"] = True
+    parsed = parse_config(raw, tmp_path / "config.json")
+    assert parsed.knobs["draft_arch"] == "qwen3" and parsed.knobs["mlp_bias"] is False
+    assert any("mlp_bias true is ignored by qwen3 layers" in n for n in parsed.notes), parsed.notes
+    flat = config_json(cfg, "sglang")
+    assert flat["model_type"] == "qwen3"
+    for fmt in ("specforge", "eagle"):
+        problems = parse_config(flat, tmp_path / "config.json", fmt).problems
+        assert problems and problems[0][0] == "field model_type" and "did not train it" in problems[0][1], problems

@@ -3,17 +3,20 @@ adapters honour their Protocol and claims, tolerances and cases are well formed,
 """
 from __future__ import annotations
 
+import inspect
 
 import pytest
 import torch
 
 from conformance.core import stages
-from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
+from conformance.adapters import ADAPTERS, IMPLEMENTATIONS, REFERENCE
+from conformance.adapters.base import DraftAdapter, LoadedDraft
 from conformance.core.compare import compare_traces
 from conformance.core.tolerances import DTYPES
 from conformance.core.tolerances import TOLERANCES, tol_for
 from fixtures.cases import ALL_CASES, CASES_BY_ID
-from fixtures.checkpoint import WEIGHTS_FILE, edited_copy, sha256
+from conformance.checkpoints import WEIGHTS_FILE, sha256
+from fixtures.checkpoint import edited_copy
 from reference.eagle3 import Eagle3Reference
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
@@ -29,7 +32,7 @@ def compare_planted(drafts, impl, case, ckpt_dir, batch=None):
     dtype = torch.float32
     actual = ADAPTERS[impl]().load(ckpt_dir, dtype).run(batch or drafts.batch(case))
     expected = drafts.trace("reference", case, dtype)
-    return compare_traces(actual, expected, ADAPTERS[impl].claimed_stages, case.config.num_hidden_layers, case.id)
+    return compare_traces(actual, expected, case.id)
 
 
 def assert_names_stage(comparison, stage: str, step: int = 0):
@@ -75,26 +78,42 @@ def test_aux_input_in_another_order_is_named(impl, drafts):
 def test_residual_after_norm_is_named(drafts):
     """A residual taken after hidden_norm instead of before it (the reference with the knob flipped)."""
     from dataclasses import replace
-    from fixtures.checkpoint import read_weights
+    from conformance.checkpoints import read_weights
 
     ckpt = drafts.checkpoint(GQA)["speculators"]
     planted = Eagle3Reference(replace(GQA.config, norm_before_residual=True), read_weights(ckpt), torch.float32)
     from conformance.adapters.base import Trace
-    actual = Trace("planted", torch.float32, planted.run(drafts.batch(GQA)), [{}])
     expected = drafts.trace("reference", GQA, torch.float32)
-    comparison = compare_traces(actual, expected, ADAPTERS["reference"].claimed_stages, 1, GQA.id)
+    actual = Trace("planted", torch.float32, planted.run(drafts.batch(GQA)), [{}],
+                   claimed_stages=expected.claimed_stages, num_layers=expected.num_layers)
+    comparison = compare_traces(actual, expected, GQA.id)
     assert_names_stage(comparison, "layers.0.residual")
+
+
+def protocol_members(protocol) -> set[str]:
+    return set(protocol.__annotations__) | {name for name in vars(protocol) if not name.startswith("_")}
 
 
 @pytest.mark.parametrize("impl", ["reference", *IMPLEMENTATIONS])
 def test_adapter_honours_protocol(impl):
     adapter = ADAPTERS[impl]
-    for attr in ("name", "checkpoint_format", "claimed_stages", "unsupported", "load"):
-        assert hasattr(adapter, attr), f"{impl} adapter is missing {attr}"
+    missing = sorted(m for m in protocol_members(DraftAdapter) if not hasattr(adapter, m))
+    assert not missing, f"{impl} adapter is missing {missing} (conformance/adapters/base.py DraftAdapter)"
     assert adapter.name == impl
+    # The package its version comes from is installed (the registry's version ranges are matched against it).
+    assert (adapter.package is None) == (impl == REFERENCE) and (adapter.package is None or adapter.version())
     assert adapter.checkpoint_format in ("speculators", "sglang")
     unknown = adapter.claimed_stages - set(stages.PRE + stages.LAYER + stages.POST)
     assert not unknown, f"{impl} claims stages that are not canonical: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLEMENTATIONS])
+def test_loaded_draft_honours_protocol(impl, drafts):
+    ckpt = drafts.checkpoint(GQA)[ADAPTERS[impl].checkpoint_format]
+    loaded = ADAPTERS[impl]().load(ckpt, torch.float32)
+    missing = sorted(m for m in protocol_members(LoadedDraft) if not hasattr(loaded, m))
+    assert not missing, f"{impl}'s loaded draft is missing {missing} (conformance/adapters/base.py LoadedDraft)"
+    assert "record" in inspect.signature(loaded.run).parameters, f"{impl}: run() takes no `record`"
 
 
 @pytest.mark.parametrize("impl", ["reference", *IMPLEMENTATIONS])
@@ -104,6 +123,8 @@ def test_trace_has_every_claimed_stage(impl, case_id, drafts):
     trace = drafts.trace(impl, case, torch.float32)
     expected = drafts.trace("reference", case, torch.float32)
     claimed = ADAPTERS[impl].claimed_stages
+    # What compare_traces reads from the trace: the adapter's claims, the checkpoint's layer count.
+    assert (trace.claimed_stages, trace.num_layers) == (claimed, case.config.num_hidden_layers)
     missing = [s for s in expected.steps[0] if s.rsplit(".", 1)[-1] in claimed and s not in trace.steps[0]]
     assert not missing, f"{impl} claims but did not produce: {missing}"
     extra = set(trace.steps[0]) - set(stages.stage_names(case.config.num_hidden_layers))
@@ -152,8 +173,8 @@ def test_runs_are_bitwise_deterministic(impl, drafts):
 
 
 def test_sglang_cpu_adjustment_is_the_documented_one():
-    """The only runtime adjustment: SGLang's rotary module treats this host as a CPU (see adapters/sglang.py)."""
-    from conformance.adapters.sglang.draft import ensure_runtime
+    """The only runtime adjustment: SGLang's rotary module treats this host as a CPU (adapters/sglang/runtime.py)."""
+    from conformance.adapters.sglang.runtime import ensure_runtime
 
     runtime = ensure_runtime()
     adjustments = runtime["adjustments"]

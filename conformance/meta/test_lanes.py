@@ -2,8 +2,8 @@
 
 The gpu lane is run in a subprocess as users run it (`pytest -m gpu [--require-gpu]`); the workflow
 is read as YAML and its CPU job checked against the README's commands; the benchmarks' bare passes
-(hooks off, SGLang passes replayed) are checked to compute what the recorded conformance runs compute,
-and the roofline byte count is checked against the checkpoint's own tensors.
+(each adapter's timed_pass: hooks off, SGLang passes replayed) are checked to compute what the
+recorded conformance runs compute, and the roofline byte count against the checkpoint's own tensors.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conformance.adapters import ADAPTERS
+from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
 from conformance.throughput.throughput import DECODE, EXTEND, BenchCase, step_bytes
 from fixtures.cases import CASES_BY_ID
-from fixtures.checkpoint import WEIGHTS_FILE
+from conformance.checkpoints import WEIGHTS_FILE
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 
@@ -87,7 +87,7 @@ def test_workflow_gpu_job_cannot_pass_by_skipping():
         assert line.startswith("#") or re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][^ ]*", line), f"not pinned: {line!r}"
 
 
-@pytest.mark.parametrize("impl", ["speculators", "sglang"])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_unrecorded_runs_compute_what_recorded_runs_compute(impl, drafts):
     """run(record=False), what benchmarks time, drafts the same tokens as the recorded run."""
     case = CASES_BY_ID["gqa"]
@@ -100,19 +100,37 @@ def test_unrecorded_runs_compute_what_recorded_runs_compute(impl, drafts):
     assert "layers.0.q" in recorded.steps[0] and "layers.0.q" not in bare.steps[0], "record=False still traced"
 
 
-def test_sglang_replayed_passes_compute_the_recorded_passes(drafts):
-    """A benchmark times SGLang's EXTEND and DECODE passes replayed on their own pools: the replay
-    rewrites the same KV slots and returns what the recorded run's passes returned."""
+@pytest.mark.parametrize("impl", ["reference", *IMPLEMENTATIONS])
+@pytest.mark.parametrize("step", [0, 1])
+def test_timed_pass_runs_the_asked_step(impl, step, drafts):
+    """Every adapter's timed pass ends at the asked step and says what it is; where it runs earlier
+    steps too (a TTT step has no pass of its own) it runs them all from step 0, which the benchmark
+    subtracts by timing step 0's pass."""
+    case = CASES_BY_ID["gqa"]
+    loaded = ADAPTERS[impl]().load(drafts.checkpoint(case)[ADAPTERS[impl].checkpoint_format], torch.float32)
+    with loaded.timed_pass(drafts.batch(case, steps=2), step) as timed:
+        assert timed.runs in ((step,), tuple(range(step + 1))), f"{impl}: runs {timed.runs} for step {step}"
+        assert timed.what, f"{impl}: the timed pass does not say what it is"
+        timed.call()
+
+
+def test_sglang_timed_passes_compute_the_recorded_passes(drafts):
+    """A benchmark times SGLang's EXTEND and DECODE passes replayed on their own pools, hooks detached
+    (timed_pass): the replay rewrites the same KV slots and returns what the recorded run's passes
+    returned."""
     case = CASES_BY_ID["gqa"]
     loaded = ADAPTERS["sglang"]().load(drafts.checkpoint(case)["sglang"], torch.float32)
-    trace = loaded.run(drafts.batch(case, steps=2), 2)
-    assert len(loaded.passes) == 2, "one EXTEND and one DECODE pass expected"
-    with loaded.hooks_detached():
-        assert not loaded.recorder.handles
-        for step in (1, 0, 1):   # any order: each pass leaves the pools as it found them
-            out = loaded.replay_pass(step)
-            assert torch.equal(out.next_token_logits, trace.steps[step]["logits"]), f"replayed pass {step}"
-    assert loaded.recorder.handles, "hooks must be re-attached after timing"
+    batch = drafts.batch(case, steps=2)
+    trace = loaded.run(batch, 2)
+    for step in (0, 1):
+        with loaded.timed_pass(batch, step) as timed:
+            assert not loaded.recorder.handles, "timed with the stage hooks attached"
+            assert len(loaded.passes) == 2, "one EXTEND and one DECODE pass expected"
+            for again in (1, 0, 1):   # any order: each pass leaves the pools as it found them
+                out = loaded.replay_pass(again)
+                assert torch.equal(out.next_token_logits, trace.steps[again]["logits"]), f"replayed pass {again}"
+            assert torch.equal(timed.call().next_token_logits, trace.steps[step]["logits"]), f"timed pass {step}"
+        assert loaded.recorder.handles, "hooks must be re-attached after timing"
 
 
 @pytest.mark.parametrize("impl", ["reference", "sglang"])

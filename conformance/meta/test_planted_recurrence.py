@@ -37,7 +37,7 @@ def test_sglang_feeding_post_norm_hidden_fails_at_step_1(drafts):
     inner.forward = planted
     actual = loaded.run(drafts.batch(CASE, STEPS), STEPS)
     expected = drafts.trace("reference", CASE, torch.float32, STEPS)
-    comparison = compare_traces(actual, expected, ADAPTERS["sglang"].claimed_stages, 1, CASE.id)
+    comparison = compare_traces(actual, expected, CASE.id)
     assert_names_stage(comparison, "recurrent_hidden", step=1)
 
 
@@ -53,11 +53,12 @@ class ResidualAfterNormFromStep1(Eagle3Reference):
 
 
 def test_residual_after_norm_from_step_1_fails_at_step_1(drafts):
-    from fixtures.checkpoint import read_weights
+    from conformance.checkpoints import read_weights
 
     weights = read_weights(drafts.checkpoint(CASE)["speculators"])
     planted = ResidualAfterNormFromStep1(CASE.config, weights, torch.float32)
-    actual = Trace("planted", torch.float32, planted.run(drafts.batch(CASE, STEPS), STEPS), [{}] * STEPS)
     expected = drafts.trace("reference", CASE, torch.float32, STEPS)
-    comparison = compare_traces(actual, expected, ADAPTERS["reference"].claimed_stages, 1, CASE.id)
+    actual = Trace("planted", torch.float32, planted.run(drafts.batch(CASE, STEPS), STEPS), [{}] * STEPS,
+                   claimed_stages=expected.claimed_stages, num_layers=expected.num_layers)
+    comparison = compare_traces(actual, expected, CASE.id)
     assert_names_stage(comparison, "layers.0.residual", step=1)

@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from conformance.checkpoints.formats import CheckpointError
+from conformance.checkpoints import CheckpointError
 from fixtures.tiny import make_config
-from conformance.checkpoints.training_data import (MAX_TOKENS, TinyTarget, first_samples, load_samples, make_data_batch, read_dump,
-                                    write_dump, write_samples)
+from conformance.checkpoints.hidden_states import TinyTarget, read_dump, write_dump
+from conformance.checkpoints.training_data import (MAX_TOKENS, first_samples, load_samples, make_data_batch,
+                                                   write_samples)
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 CFG = make_config(hidden_size=40, target_hidden_size=40)

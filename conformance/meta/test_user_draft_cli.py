@@ -10,7 +10,7 @@ import pytest
 
 from conformance.meta.test_bad_input import run_pytest
 from conformance.user.user_draft import input_files
-from fixtures.checkpoint import sha256
+from conformance.checkpoints import sha256
 from conformance.user.example_draft import write_example
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]

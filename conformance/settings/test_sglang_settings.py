@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conformance.adapters.sglang.settings import CommandLineError, MISMATCH, draft_facts, effective_settings, findings
+from conformance.core.report import Section
 from fixtures.trained_draft import CACHE_ENV
 
 SEED_ARGS = "--speculative-eagle-topk 1 --speculative-num-steps 1 --speculative-num-draft-tokens 16"
@@ -32,7 +33,7 @@ def _settings(trained, command_line: str):
         pytest.fail(str(exc), pytrace=False)
 
 
-def _record(report, section: str, settings) -> None:
+def _record(report, section: Section, settings) -> None:
     for row in settings.rows():
         report.add_row(section, row)
 
@@ -55,7 +56,7 @@ def predicted_row(settings, prediction) -> dict:
 @pytest.mark.cpu
 def test_sglang_effective_settings_match_requested(trained_draft, sglang_args, report, repro):
     settings = _settings(trained_draft, sglang_args)
-    _record(report, "sglang effective settings", settings)
+    _record(report, Section.SETTINGS, settings)
     lines = [f.line() for f in settings.mismatches]
     assert not lines, (f"sglang vs requested [trained_draft, --sglang-args {sglang_args!r}]: "
                        f"{len(lines)} setting(s) served differently\n  " + "\n  ".join(lines)
@@ -67,7 +68,7 @@ def test_seed_command_line_is_flagged(trained_draft, acceptance, report):
     """The seed's flags: topk 1 and 1 step with 16 draft tokens resolve to 2 draft tokens; the report
     adds what the training metrics predict at those effective settings."""
     settings = _settings(trained_draft, SEED_ARGS)
-    section = "sglang effective settings: the seed's command line"
+    section = Section.SETTINGS_SEED
     _record(report, section, settings)
     report.add_row(section, predicted_row(settings, acceptance.prediction))
     flagged = {f.setting: f for f in settings.mismatches}
@@ -80,7 +81,7 @@ def test_seed_command_line_is_flagged(trained_draft, acceptance, report):
 @pytest.mark.cpu
 def test_more_steps_than_trained_are_flagged(trained_draft, report):
     settings = _settings(trained_draft, MORE_STEPS_THAN_TRAINED)
-    _record(report, "sglang effective settings: more steps than trained", settings)
+    _record(report, Section.SETTINGS_MORE_STEPS, settings)
     steps = [f for f in settings.mismatches if f.setting == "speculative_num_steps"]
     assert steps and steps[0].effective > trained_draft.trained_steps, (
         f"sglang [{MORE_STEPS_THAN_TRAINED}]: 7 steps for a draft trained for {trained_draft.trained_steps} "
@@ -104,7 +105,7 @@ SILENT = (
 def test_silent_serving_behaviour_is_flagged(command_line, setting, trained_draft, report):
     settings = _settings(trained_draft, command_line)
     for f in settings.mismatches:
-        report.add_row("sglang effective settings: silent behaviours", {
+        report.add_row(Section.SETTINGS_SILENT, {
             "command line": command_line, "setting": f.setting, "requested": str(f.requested),
             "effective": str(f.effective), "why": f.why})
     assert setting in {f.setting for f in settings.mismatches}, (
@@ -145,7 +146,7 @@ def test_auto_chosen_settings_are_reported(trained_draft, report):
     """No speculative numbers: SGLang chooses them itself for the target's architecture
     (speculative_hook.py:1159-1174); each is reported as auto-chosen with what SGLang runs."""
     settings = _settings(trained_draft, "--max-running-requests 8")
-    _record(report, "sglang effective settings: nothing requested", settings)
+    _record(report, Section.SETTINGS_NOTHING_REQUESTED, settings)
     auto = {f.setting: f.effective for f in settings.findings if f.why.startswith("auto-chosen")}
     assert set(auto) == {"speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"} and \
         all(v is not None for v in auto.values()), f"auto-chosen settings not reported: {settings.findings}"

@@ -1,7 +1,7 @@
 """Draft throughput of each implementation (pytest-benchmark): the EXTEND pass and one DECODE step.
 
 Per adapter, size, dtype, batch B and context L, the bare pass (stage hooks off; what is timed is
-conformance/throughput/throughput.py TIMED) is timed after warm-up with device synchronisation, and reported as
+each adapter's `timed_pass`) is timed after warm-up with device synchronisation, and reported as
 tokens/s and as a fraction of the memory roofline measured in the same run. Marker `benchmark`:
 `pytest -m benchmark` (CPU sweep, tiny and mid sizes); real Llama-3.1-8B / Kimi-K2.5 shapes on CUDA
 are also marked `gpu`. `make bench-baseline` / `make bench-compare` record and gate the figures.
@@ -15,11 +15,12 @@ import statistics
 import pytest
 import torch
 
-from conformance.adapters import ADAPTERS
+from conformance.adapters import ADAPTERS, REFERENCE
 from conformance.core.harness import DraftStore
+from conformance.core.report import Section
 from conformance.throughput.throughput import (
-    COPY, CPU_SIZES, EXTEND, GPU_SIZES, RESULTS, ROOFLINE_GROUP, ROOFLINE_TIMER, TIMED, BenchCase, Figure,
-    planted_slowdown, step_bytes, sweep, synchronize, time_rounds,
+    COPY, CPU_SIZES, GPU_SIZES, RESULTS, ROOFLINE_GROUP, ROOFLINE_TIMER, BenchCase, Figure, planted_slowdown,
+    reference_id, step_bytes, sweep, synchronize, time_rounds,
 )
 from conformance.core.tolerances import DTYPES
 from fixtures.cases import DraftCase
@@ -79,33 +80,22 @@ def make_bench_batch(case: BenchCase):
     return make_batch(case.config, (case.context,) * case.batch, torch.Generator().manual_seed(1), steps=2)
 
 
-def make_timed_call(loaded, case: BenchCase, batch, stack):
-    """(callable, TTT steps it runs): the bare pass for `case`, device-synchronised, slowed down only
-    when the gate's self-test plants it (throughput.SLOWDOWN_ENV)."""
-    steps = 1 if case.pass_ == EXTEND else 2
-    if case.impl == "sglang":
-        loaded.run(batch, steps=2, record=False)          # pools, KV cache and ForwardBatches, once
-        stack.enter_context(loaded.hooks_detached())
-        index = 0 if case.pass_ == EXTEND else 1          # pass 1: DECODE step 1 (one EXTEND chunk)
-        call, steps = (lambda: loaded.replay_pass(index)), 1
-    elif case.impl == "speculators":
-        call = lambda: loaded.run(batch, steps, record=False)   # noqa: E731
-    else:
-        call = lambda: loaded.run(batch, steps)   # noqa: E731 (the reference records no hooks)
+def make_timed_call(loaded, case: BenchCase, step: int, batch, stack):
+    """(callable, the draft steps it runs): the adapter's bare pass for `step`, in scope for the rest of
+    the figure, device-synchronised, slowed down only when the gate's self-test plants it
+    (throughput.SLOWDOWN_ENV)."""
+    timed_pass = stack.enter_context(loaded.timed_pass(batch, step))
     repeat = planted_slowdown(case.impl)
 
     def timed():
         for _ in range(repeat):
-            call()
+            timed_pass.call()
         synchronize(case.device)
-    return timed, steps
+    return timed, timed_pass
 
 
-def callable_bytes(case: BenchCase, steps: int) -> int:
-    cfg = case.config
-    if case.impl == "sglang":
-        return sum(step_bytes(cfg, case, 0 if case.pass_ == EXTEND else 1))
-    return sum(sum(step_bytes(cfg, case, k)) for k in range(steps))
+def callable_bytes(case: BenchCase, runs: tuple[int, ...]) -> int:
+    return sum(sum(step_bytes(case.config, case, k)) for k in runs)
 
 
 def run_benchmark(benchmark, bench_drafts, report, case: BenchCase) -> None:
@@ -113,7 +103,7 @@ def run_benchmark(benchmark, bench_drafts, report, case: BenchCase) -> None:
     loaded = bench_drafts.load(case)
     batch = make_bench_batch(case)
     with contextlib.ExitStack() as stack:
-        timed, steps = make_timed_call(loaded, case, batch, stack)
+        timed, timed_pass = make_timed_call(loaded, case, case.step, batch, stack)
         if benchmark.disabled:   # --benchmark-disable: one untimed call (the pass still has to run)
             benchmark.pedantic(timed)
             return
@@ -121,14 +111,13 @@ def run_benchmark(benchmark, bench_drafts, report, case: BenchCase) -> None:
         first = time_rounds(timed, case.device, rounds=1, warmup=WARMUP[case.device])[0]
         # The roofline's bandwidth: the best of COPIES device copies, taken next to this figure.
         bandwidth = max(COPY.bandwidths(case.device, COPIES))
-        ROOFLINE_TIMER.unit = callable_bytes(case, steps) / bandwidth   # seconds per stored unit
+        ROOFLINE_TIMER.unit = callable_bytes(case, timed_pass.runs) / bandwidth   # seconds per stored unit
         step0, step0_seconds = None, []
-        if steps == 2:
+        if len(timed_pass.runs) > 1:
             # A TTT decode step alone: the timed callable runs steps 0 and 1, so before each round
             # (pytest-benchmark's untimed setup) step 0 alone, the EXTEND callable, is timed too;
             # the step is the median of the paired differences, both halves seeing the same machine.
-            extend = BenchCase(case.size, case.dtype, case.device, case.batch, case.context, EXTEND, case.impl)
-            step0 = make_timed_call(loaded, extend, batch, stack)[0]
+            step0 = make_timed_call(loaded, case, 0, batch, stack)[0]
 
         def setup():
             if step0 is not None:
@@ -142,14 +131,13 @@ def run_benchmark(benchmark, bench_drafts, report, case: BenchCase) -> None:
         step = [t - t0 for t, t0 in zip(seconds, step0_seconds)] if step0 else seconds
         median = statistics.median(step)
         q = statistics.quantiles(step, n=4) if len(step) > 1 else [median] * 3
-    weights, kv = step_bytes(case.config, case, 0 if case.pass_ == EXTEND else 1)
+    weights, kv = step_bytes(case.config, case, case.step)
     figure = Figure(case, median, q[2] - q[0], len(seconds), weights, kv, bandwidth)
     RESULTS.add(figure)
-    reference = RESULTS.figures.get(case.id.rsplit("-", 1)[0] + "-reference")
-    row = figure.row(reference if case.impl != "reference" else None)
-    benchmark.extra_info.update(row, timed=TIMED[(case.impl, case.pass_)], copy_bandwidth_Bps=bandwidth,
+    row = figure.row(RESULTS.figures.get(reference_id(case)) if case.impl != REFERENCE else None)
+    benchmark.extra_info.update(row, timed=timed_pass.what, copy_bandwidth_Bps=bandwidth,
                                 unit="callable time / roofline time", roofline_time_s=ROOFLINE_TIMER.unit)
-    report.add_row("draft throughput (timings: vary run to run)", row)
+    report.add_row(Section.THROUGHPUT, row)
 
 
 @pytest.mark.benchmark(timer=ROOFLINE_TIMER)

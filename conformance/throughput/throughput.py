@@ -1,4 +1,4 @@
-"""Draft throughput: what each adapter's timed pass is, its memory-roofline bytes, the copy bandwidth.
+"""Draft throughput: the sweep, each timed pass's memory-roofline bytes, the copy bandwidth.
 
 Every figure is compared with the memory-bandwidth roofline measured in the same run on the same
 device: the bytes a pass must read at least once (weights it uses + the K/V it attends to) over a
@@ -20,25 +20,14 @@ from typing import Callable
 import pytest
 import torch
 
+from conformance.adapters import ADAPTERS, REFERENCE
 from fixtures.real_shapes import SHAPES
 from fixtures.tiny import make_config
 from reference.eagle3 import Eagle3Config
 
+# The timed passes: step 0 (EXTEND) and step 1 (DECODE); what each adapter times is its
+# `timed_pass` (stage hooks off in every case).
 EXTEND, DECODE = "extend", "decode"
-
-# What the timed callable is, per adapter and pass (stage hooks off in every case).
-TIMED = {
-    ("reference", EXTEND): "Eagle3Reference.run(steps=1): fc + one pass over all B*L tokens",
-    ("reference", DECODE): "TTT step 1 over all B*L tokens = run(steps=2) - run(steps=1) "
-                           "(the reference has no decode pass)",
-    ("speculators", EXTEND): "Eagle3DraftModel.forward(ttt_steps=1): fc + TTT step 0 over all B*L tokens",
-    ("speculators", DECODE): "TTT step 1 over all B*L tokens = forward(ttt_steps=2) - forward(ttt_steps=1) "
-                             "(training has no decode pass)",
-    ("sglang", EXTEND): "one draft EXTEND pass: init_forward_metadata + LlamaForCausalLMEagle3.forward, "
-                        "B requests of L tokens",
-    ("sglang", DECODE): "one draft DECODE pass (step 1): init_forward_metadata + forward, "
-                        "B queries over B*(L+1) cached keys",
-}
 
 # Set only by the gate's self-test (conformance/meta/test_bench_gate.py): "sglang=2" makes every
 # timed pass of that adapter run twice, a planted 2x slowdown the compare target must catch.
@@ -80,26 +69,32 @@ class BenchCase:
         return make_config(**SHAPES[self.size])
 
     @property
+    def step(self) -> int:
+        return 0 if self.pass_ == EXTEND else 1
+
+    @property
     def tokens(self) -> int:
-        """Query tokens of the timed step: all B*L, except SGLang's decode (one per request)."""
-        return self.batch if (self.impl, self.pass_) == ("sglang", DECODE) else self.batch * self.context
+        """Query tokens of the timed step: all B*L, except a serving decode (one per request)."""
+        return self.batch if ADAPTERS[self.impl].serving_decode and self.step > 0 else self.batch * self.context
 
 
 def restriction(case: BenchCase) -> str | None:
     """Why a combination is left out of the sweep, or None.
 
-    On a 2-core CPU the sweep has to stay within minutes: the reference's and speculators' CPU
-    attention build a dense [T, (k+1)T] mask and score matrix over the whole packed batch (T = B*L),
-    so their cost grows with T^2, and bf16 matmuls run several times slower than fp32 on CPUs without
-    bf16 instructions. So on CPU: tiny size, reference and speculators T <= 1024, SGLang everything;
-    mid size, every adapter T <= 1024 in fp32 and T <= 128 in bf16. On CUDA the reference runs
-    T <= 8192 (its score matrix at T = 32768 is over 100 GiB at real shapes); the others run all.
+    On a 2-core CPU the sweep has to stay within minutes: an attention that is dense over the packed
+    batch (the adapter's `dense_attention`: the reference's, speculators' on CPU) builds a
+    [T, (k+1)T] mask and score matrix over the whole packed batch (T = B*L), so its cost grows with
+    T^2, and bf16 matmuls run several times slower than fp32 on CPUs without bf16 instructions. So on
+    CPU: tiny size, dense attention T <= 1024, the others everything; mid size, every adapter
+    T <= 1024 in fp32 and T <= 128 in bf16. On CUDA dense attention runs T <= 8192 (the reference's
+    score matrix at T = 32768 is over 100 GiB at real shapes); the others run all.
     """
     T = case.batch * case.context
+    dense = ADAPTERS[case.impl]().dense_attention(case.device)
     if case.device == "cuda":
-        limit = 8192 if case.impl == "reference" else None
+        limit = 8192 if dense else None
     elif case.size == "tiny":
-        limit = None if case.impl == "sglang" else 1024
+        limit = 1024 if dense else None
     else:
         limit = 1024 if case.dtype == "fp32" else 128
     if limit is not None and T > limit:
@@ -115,7 +110,7 @@ def sweep(device: str, sizes, dtypes) -> list[BenchCase]:
             for B in BATCHES:
                 for L in CONTEXTS:
                     for pass_ in (EXTEND, DECODE):
-                        for impl in ("reference", "speculators", "sglang"):
+                        for impl in ADAPTERS:
                             case = BenchCase(size, dtype, device, B, L, pass_, impl)
                             if restriction(case) is None:
                                 out.append(case)
@@ -126,22 +121,23 @@ def sweep(device: str, sizes, dtypes) -> list[BenchCase]:
 
 def step_bytes(cfg: Eagle3Config, case: BenchCase, step: int) -> tuple[int, int]:
     """(weight bytes, K/V bytes) draft step `step` must read at least once (0: the EXTEND pass or TTT
-    step 0; k >= 1: SGLang's DECODE pass or TTT step k). Weights: fc (step 0 only; for SGLang only
-    when it runs), q/k/v/o, the MLP, lm_head and the embedding rows looked up; norms and d2t are
+    step 0; k >= 1: a serving DECODE pass or TTT step k). Weights: fc (step 0 only, when the adapter
+    runs it), q/k/v/o, the MLP, lm_head and the embedding rows looked up; norms and d2t are
     negligible. K/V: the keys and values the step attends to: T = B*L at step 0, (k + 1) * T at TTT
-    step k, the whole cache B*(L+1) at SGLang's DECODE."""
+    step k, the whole cache B*(L+k) at a serving DECODE."""
+    adapter = ADAPTERS[case.impl]()
     e = 4 if case.dtype == "fp32" else 2
     H, T = cfg.hidden_size, case.batch * case.context
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     aux_width = cfg.num_aux_hidden_states * cfg.target_hidden_size
-    fc_runs = step == 0 and not (case.impl == "sglang" and aux_width == H)   # llama_eagle3.py:238
-    queries = case.batch if (case.impl == "sglang" and step > 0) else T
+    fc_runs = step == 0 and adapter.fc_runs(cfg)
+    queries = case.batch if (adapter.serving_decode and step > 0) else T
     weights = (aux_width * H if fc_runs else 0) + cfg.draft_vocab_size * H + min(queries, cfg.vocab_size) * H
     for i in range(cfg.num_hidden_layers):
         weights += (2 * H if i == 0 else H) * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * cfg.intermediate_size
     if step == 0:
         keys = T
-    elif case.impl == "sglang":
+    elif adapter.serving_decode:
         keys = T + step * case.batch
     else:
         keys = (step + 1) * T
@@ -255,8 +251,7 @@ class Results:
     def rows(self) -> list[dict]:
         out = []
         for fig in self.figures.values():
-            ref_id = fig.case.id.rsplit("-", 1)[0] + "-reference"
-            ref = self.figures.get(ref_id) if fig.case.impl != "reference" else None
+            ref = self.figures.get(reference_id(fig.case)) if fig.case.impl != REFERENCE else None
             out.append(fig.row(ref))
         return out
 
@@ -275,6 +270,11 @@ class Results:
                  "  ".join(c.rjust(widths[c]) for c in cols)]
         lines += ["  ".join(_fmt(r[c]).rjust(widths[c]) for c in cols) for r in rows]
         return lines
+
+
+def reference_id(case: BenchCase) -> str:
+    """The id of the reference's figure at the same shape and pass."""
+    return case.id.rsplit("-", 1)[0] + "-" + REFERENCE
 
 
 def _fmt(v) -> str:

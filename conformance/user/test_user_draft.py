@@ -1,6 +1,11 @@
-"""Bring your own draft: the --draft-checkpoint draft (without it, a fixture draft in SpecForge's
-export layout) against the reference, on its training samples: step 0 and teacher-forced multi-step
-per implementation and dtype, weight accounting per implementation, and its files left untouched.
+"""Bring your own draft: the --draft-checkpoint draft (without it, a fixture draft in SpecForge's export
+layout) as SGLang will serve it, against training semantics (the reference) on its training samples.
+
+In order: SGLang reads the directory as written (else that is the first problem, and the rest is
+judged on this suite's conversion, which is checked); step 0 and teacher-forced multi-step per
+implementation and dtype; weight accounting per implementation; the user's files left untouched.
+Every check that finds something fails and adds a problem to the verdict (conformance/user/verdict.py):
+a registered divergence that applies to this draft is the answer the user came for, never an xfail.
 """
 from __future__ import annotations
 
@@ -9,82 +14,126 @@ from pathlib import Path
 
 import pytest
 
-from conformance.loading.accounting import knob_rows
 from conformance.adapters import IMPLEMENTATIONS
-from conformance.core.harness import KnownDivergenceHit, assert_conforms
-from conformance.core.registry import known_divergence
+from conformance.checkpoints.weights import sha256
+from conformance.core import registry
+from conformance.core.harness import LoadFailed, compare_with_reference
+from conformance.core.report import FAIL, PASS, Section
 from conformance.core.tolerances import DTYPES
-from conformance.user.user_draft import collection_case
-from fixtures.checkpoint import sha256
+from conformance.loading.accounting import knob_rows
+from conformance.user.problems import accounting_problems, forward_problem, load_problem
+from conformance.user.servable import conversion_findings, conversion_problem, directory_problem
+from conformance.user.verdict import OTHER, Problem
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.user]
 STEPS = 3          # speculators' default TTT steps (train/config/schema.py:316-320)
 
 
-def conformance_params(case, steps: int):
-    """impl x dtype; a registered divergence within the compared steps is a strict xfail."""
-    for impl in IMPLEMENTATIONS:
-        known = known_divergence(impl, case)
-        marks = [pytest.mark.xfail(strict=True, raises=KnownDivergenceHit, reason=known.describe())] \
-            if known is not None and known.step < steps else []
-        for dtype_name in DTYPES:
-            yield pytest.param(impl, dtype_name, id=f"{impl}-{dtype_name}-{case.id}", marks=marks)
-
-
 def pytest_generate_tests(metafunc):
-    case = collection_case(metafunc.config)
     name = metafunc.function.__name__
-    if name == "test_user_draft_step0_matches_reference":
-        metafunc.parametrize("impl,dtype_name", list(conformance_params(case, 1)))
-    elif name == "test_user_draft_multistep_matches_reference":
-        metafunc.parametrize("impl,dtype_name", list(conformance_params(case, STEPS)))
+    if name in ("test_user_draft_step0_matches_reference", "test_user_draft_multistep_matches_reference"):
+        metafunc.parametrize("impl,dtype_name", [pytest.param(impl, d, id=f"{impl}-{d}-user_draft")
+                                                 for impl in IMPLEMENTATIONS for d in DTYPES])
     elif name == "test_user_draft_weight_accounting":
         metafunc.parametrize("impl", ["reference", *IMPLEMENTATIONS])
 
 
-def report_once(store, report) -> None:
+def report_once(store, report, verdict) -> None:
     """The inputs, the effective knobs and the weight map of the user's draft, once per session."""
     if store.reported:
         return
     store.reported = True
+    verdict.context.update(store.context())
     for row in store.report_rows():
-        report.add_row("bring your own draft", row)
+        report.add_row(Section.USER_DRAFT, row)
     accounts = store.accounts()
     for row in knob_rows(store.case.id, list(accounts.values()), only_disagreements=False):
-        report.add_row("effective knobs", row)
+        report.add_row(Section.EFFECTIVE_KNOBS, row)
     # Where SGLang's loader put each tensor (fused shards, legacy names); the reference and speculators
     # load by name, which their accounting rows confirm.
     for tensor, where in accounts["sglang"].landed:
-        report.add_row("weight map (sglang)", {"draft": store.case.id, "tensor": tensor, "landed in": where})
+        report.add_row(Section.WEIGHT_MAP, {"draft": store.case.id, "tensor": tensor, "landed in": where})
 
 
-def test_user_draft_step0_matches_reference(impl, dtype_name, user_draft, report, request, repro):
-    report_once(user_draft, report)
-    assert_conforms(user_draft, report, impl, user_draft.case, dtype_name, request.node.nodeid, repro)
+def fail(problem: Problem, verdict, nodeid: str, message: str):
+    __tracebackhide__ = True
+    kept = verdict.add(problem, nodeid)
+    pytest.fail(f"{message}\n  cause: {kept.cause}\n  fix: {kept.fix}", pytrace=False)
 
 
-def test_user_draft_multistep_matches_reference(impl, dtype_name, user_draft, report, request, repro):
-    case = dataclasses.replace(user_draft.case, id=f"{user_draft.case.id}_{STEPS}_steps")   # its own report rows
-    assert_conforms(user_draft, report, impl, case, dtype_name, request.node.nodeid, repro, steps=STEPS)
+def test_user_draft_sglang_reads_the_directory(user_draft, report, verdict, request):
+    """SGLang's own config reader on the directory as the user has it (never written to)."""
+    report_once(user_draft, report, verdict)
+    ckpt = user_draft.inputs.checkpoint
+    problem = directory_problem(ckpt.path, ckpt.format, ckpt.path.name)
+    if problem is not None:
+        fail(problem, verdict, request.node.nodeid, f"{problem.what}: {problem.evidence}")
 
 
-def test_user_draft_weight_accounting(impl, user_draft, report, repro):
+def test_user_draft_conversion_keeps_the_draft(user_draft, report, verdict, request):
+    """The conversion SGLang is given instead: every tensor bit-exact, the aux ids SGLang will read, the
+    norms and vocabulary SGLang builds from it."""
+    if not user_draft.converted:
+        pytest.skip("SGLang reads the directory as written: there is no conversion to check")
+    report_once(user_draft, report, verdict)
+    inputs = user_draft.inputs
+    served = user_draft.checkpoint(user_draft.case)["sglang"]
+    findings = conversion_findings(inputs.checkpoint.path, served, inputs.trainer, user_draft.accounts())
+    problem = conversion_problem(findings, inputs.checkpoint.format)
+    if problem is not None:
+        fail(problem, verdict, request.node.nodeid, f"{problem.what}: {problem.where}")
+
+
+def check_forward(store, report, verdict, impl: str, dtype_name: str, nodeid: str, repro: str, steps: int):
+    __tracebackhide__ = True
+    case = store.case if steps == 1 else dataclasses.replace(store.case, id=f"{store.case.id}_{steps}_steps")
+    cfg = store.inputs.config
+    known = registry.for_case(impl, case, steps)
+    try:
+        comparison = compare_with_reference(store, impl, case, dtype_name, steps)
+    except LoadFailed as exc:
+        report.add_load_failure(impl, case.id, dtype_name, nodeid, FAIL, str(exc))
+        fail(load_problem(impl, cfg, known, str(exc)), verdict, nodeid,
+             f"{impl} vs reference [{case.id}, {dtype_name}]: first divergence at step 0, stage 'load'\n"
+             f"  {exc}\n  repro: {repro}")
+    problem = forward_problem(impl, cfg, known, comparison, steps)
+    report.add(comparison, nodeid, PASS if problem is None else FAIL, "" if problem is None else problem.cause)
+    if problem is not None:
+        fail(problem, verdict, nodeid, comparison.message(repro))
+
+
+def test_user_draft_step0_matches_reference(impl, dtype_name, user_draft, report, verdict, request, repro):
+    report_once(user_draft, report, verdict)
+    check_forward(user_draft, report, verdict, impl, dtype_name, request.node.nodeid, repro, steps=1)
+
+
+def test_user_draft_multistep_matches_reference(impl, dtype_name, user_draft, report, verdict, request, repro):
+    report_once(user_draft, report, verdict)
+    check_forward(user_draft, report, verdict, impl, dtype_name, request.node.nodeid, repro, steps=STEPS)
+
+
+def test_user_draft_weight_accounting(impl, user_draft, report, verdict, request, repro):
     """Every tensor landed bit-exact, no parameter left unloaded, nothing dropped silently."""
-    report_once(user_draft, report)
+    report_once(user_draft, report, verdict)
     acct = user_draft.accounts()[impl]
-    report.add_row("weight accounting", acct.row(user_draft.case.id))
+    report.add_row(Section.WEIGHT_ACCOUNTING, acct.row(user_draft.case.id))
     if not acct.problems:
         return
-    message = (f"{impl} weight accounting [{user_draft.case.id}]: " + "; ".join(acct.problems)
-               + f"\n  repro: {repro}")
-    known = known_divergence(impl, user_draft.case)
-    if known is not None:   # the load-time face of a registered divergence (e.g. biases SGLang drops)
-        pytest.xfail(f"{message}\n  known: {known.describe()}")
-    raise AssertionError(message)
+    known = registry.for_accounting(impl, user_draft.case)
+    problems = accounting_problems(impl, user_draft.inputs.config, known, acct)
+    assert problems, f"{impl} weight accounting: {acct.problems} but no problem recorded"
+    for problem in problems[1:]:
+        verdict.add(problem, request.node.nodeid)
+    fail(problems[0], verdict, request.node.nodeid,
+         f"{impl} weight accounting [{user_draft.case.id}]: " + "; ".join(acct.problems) + f"\n  repro: {repro}")
 
 
-def test_user_draft_files_are_untouched(user_draft):
+def test_user_draft_files_are_untouched(user_draft, verdict, request):
     """Runs after the checks above: every input file still has the bytes it had when validated."""
-    changed = [p for p, digest in user_draft.inputs.digests.items() if not Path(p).is_file() or sha256(Path(p)) != digest]
-    assert user_draft.inputs.digests, "no input files were recorded"
-    assert not changed, f"input files changed during the run: {changed}"
+    digests = user_draft.inputs.digests
+    changed = [p for p, digest in digests.items() if not Path(p).is_file() or sha256(Path(p)) != digest]
+    assert digests, "no input files were recorded"
+    if changed:
+        fail(Problem("the run changed input files", ", ".join(Path(p).name for p in changed), f"{len(changed)} changed",
+                     "this suite (it must only read them)", "report it", OTHER, key="untouched"),
+             verdict, request.node.nodeid, f"input files changed during the run: {changed}")

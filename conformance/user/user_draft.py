@@ -1,37 +1,36 @@
-"""Bring your own draft: the user's checkpoint, training data and target config, checked up front and
-run through the same conformance path (DraftStore, assert_conforms, accounting) as the tiny cases.
+"""Bring your own draft: the user's checkpoint, training data, hidden states and target config,
+validated up front; the user's case; the pytest options' wiring (called from conftest.py).
 
 Validation raises one-line CheckpointErrors naming the file and the field (conftest turns them into
-pytest.UsageError: exit code 4). The user's files are only ever read: each implementation gets a copy
-converted to its own format in a temp directory. Without --draft-checkpoint the same path runs on a
-fixture draft written as SpecForge exports it (midlayer names, no embed_tokens), with a JSONL sample
-and a hidden-state dump from a tiny target.
+pytest.UsageError: exit code 4), for files no implementation can use: unreadable, non-finite, schema
+errors. Two implementations reading a usable file differently is a finding of the checks, not bad
+input. The user's files are only ever read (conformance/user/store.py runs the checks on copies).
 """
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from conformance.core.harness import DraftStore
+from conformance.checkpoints.directory import DraftCheckpoint, open_checkpoint
+from conformance.checkpoints.errors import CheckpointError
+from conformance.checkpoints.formats import from_canonical
+from conformance.checkpoints.hidden_states import read_dump
+from conformance.checkpoints.knobs import CONFIG_FILE
+from conformance.checkpoints.schema import expected_tensors, needed_by, undeclared_tensors
+from conformance.checkpoints.targets import read_target_config
+from conformance.checkpoints.training_data import Sample, first_samples, load_samples
+from conformance.checkpoints.weights import INDEX_FILE, read_tensor, sha256
+from conformance.core.tolerances import dtype_name
+from conformance.user.example_draft import EXAMPLE_CONFIG
+from conformance.user.trainer import Trainer, resolve_trainer
 from fixtures.cases import DraftCase
-from fixtures.checkpoint import WEIGHTS_FILE, sha256
-from conformance.checkpoints.formats import (CONFIG_FILE, INDEX_FILE, CheckpointError, DraftCheckpoint, expected_tensors, from_canonical,
-                              open_checkpoint, read_target_config, read_tensor, read_weights, undeclared_tensors,
-                              write_draft)
-from conformance.user.example_draft import EXAMPLE_CONFIG, write_example
-from conformance.checkpoints.training_data import (MAX_TOKENS, Sample, TinyTarget, first_samples, load_samples, make_data_batch,
-                                    make_samples, read_dump, uses_tiny_target)
 from reference.eagle3 import Eagle3Config
 
 USER_CASE_ID = "user_draft"
-SGLANG_FAMILY = ("sglang", "sglang-legacy", "specforge")   # formats SGLang loads as they are
-SEED = 0                                    # weights substituted for a missing embed_tokens, random inputs
-RANDOM_LENGTHS = (9, 5, 12)                 # token counts when no training data is given
+SEED = 0                                    # the user case's seed: substituted weights, random inputs
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -44,25 +43,12 @@ class UserInputs:
     data_file: Path | None = None
     hidden_states: Path | None = None
     target: dict | None = None
+    trainer: Trainer | None = None
     notes: list[str] = field(default_factory=list)
     digests: dict[str, str] = field(default_factory=dict)   # every input file -> sha256, to prove it untouched
 
 
 # ---------------------------------------------------------------- validation
-
-def _needed_by(name: str, cfg: Eagle3Config) -> str:
-    if name == "input_norm.weight":
-        return "norm_before_fc is true"
-    if name.startswith("fc_norm."):
-        return "fc_norm is true"
-    if name.endswith(".bias"):
-        return "attention_bias is true" if "self_attn" in name else "mlp_bias is true"
-    if name == "lm_head.weight":
-        return "tie_word_embeddings is false"
-    if name in ("d2t", "t2d"):
-        return f"draft_vocab_size {cfg.draft_vocab_size} < vocab_size {cfg.vocab_size}"
-    return "every EAGLE-3 draft"
-
 
 def validate_checkpoint(path: Path) -> tuple[DraftCheckpoint, list[str]]:
     """Config, tensor names, shapes, dtypes, finiteness and the vocab map; the first problem raises."""
@@ -81,7 +67,7 @@ def validate_checkpoint(path: Path) -> tuple[DraftCheckpoint, list[str]]:
                          "this run substitutes a seeded random one for every implementation")
             continue
         raise CheckpointError(weights_file, f"tensor {from_canonical(name, ckpt.format)}",
-                              f"missing (needed because {_needed_by(name, cfg)})")
+                              f"missing (needed because {needed_by(name, cfg)})")
     for name, info in ckpt.tensors.items():
         where = (info.file, f"tensor {info.stored_name}")
         if name not in expected and name not in optional:
@@ -90,11 +76,12 @@ def validate_checkpoint(path: Path) -> tuple[DraftCheckpoint, list[str]]:
         if info.shape != shape:
             raise CheckpointError(*where, f"shape {info.shape}, expected {shape} from {CONFIG_FILE}")
         if kind == "float" and info.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(*where, f"dtype {_dtype(info.dtype)}, expected a float dtype (fp32, bf16, fp16)")
+            raise CheckpointError(*where, f"dtype {dtype_name(info.dtype)}, expected a float dtype (fp32, bf16, fp16)")
         if kind == "int64" and info.dtype != torch.int64:
-            raise CheckpointError(*where, f"dtype {_dtype(info.dtype)}, expected int64 (offsets, speculators model.py:51-55)")
+            raise CheckpointError(*where, f"dtype {dtype_name(info.dtype)}, expected int64 "
+                                          "(offsets, speculators model.py:51-55)")
         if kind == "bool" and info.dtype != torch.bool:
-            raise CheckpointError(*where, f"dtype {_dtype(info.dtype)}, expected bool (speculators model.py:51-55)")
+            raise CheckpointError(*where, f"dtype {dtype_name(info.dtype)}, expected bool (speculators model.py:51-55)")
         if name not in expected:
             notes.append(f"{info.stored_name}: not declared by {CONFIG_FILE}; implementations treat it differently "
                          "(see weight accounting)")
@@ -116,10 +103,6 @@ def validate_checkpoint(path: Path) -> tuple[DraftCheckpoint, list[str]]:
     return ckpt, notes
 
 
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def input_files(*paths: Path | None) -> list[Path]:
     out = []
     for p in paths:
@@ -131,12 +114,12 @@ def input_files(*paths: Path | None) -> list[Path]:
 
 
 def validate_inputs(checkpoint: Path, data: Path | None = None, hidden_states: Path | None = None,
-                    target: Path | None = None, source: str | None = None) -> UserInputs:
+                    target: Path | None = None, source: str | None = None, trainer: str = "auto") -> UserInputs:
     """Every user input, validated; the first problem raises a one-line CheckpointError."""
     ckpt, notes = validate_checkpoint(Path(checkpoint))
     cfg = ckpt.config
     inputs = UserInputs(ckpt, cfg, source or f"--draft-checkpoint {Path(checkpoint).name} ({ckpt.format} format)",
-                        notes=notes)
+                        trainer=resolve_trainer(ckpt, trainer), notes=notes)
     if data is not None:
         inputs.data_file = Path(data)
         inputs.samples = load_samples(Path(data), cfg.vocab_size)
@@ -164,129 +147,6 @@ def user_case(cfg: Eagle3Config, lengths: tuple[int, ...], summary: str) -> Draf
     return DraftCase(USER_CASE_ID, overrides, lengths, seed=SEED, summary=summary)
 
 
-def used_samples(inputs: UserInputs) -> list[Sample]:
-    if inputs.samples is not None:
-        return first_samples(inputs.samples)
-    ids = make_samples(inputs.config, tuple(n + 1 for n in RANDOM_LENGTHS), torch.Generator().manual_seed(SEED + 1))
-    return [Sample(0, tuple(s), (0,) * len(s), len(s), "seeded random") for s in ids]
-
-
-class UserDraftStore(DraftStore):
-    """A DraftStore whose `user_draft` case is the user's checkpoint and inputs (other cases as usual)."""
-
-    def __init__(self, root: Path, inputs: UserInputs):
-        super().__init__(root)
-        self.inputs = inputs
-        self.samples = used_samples(inputs)
-        self.aux_source = ""
-        self._aux: list[torch.Tensor] | None = None
-        self._accounts: dict | None = None
-        self.reported = False
-        self.case = user_case(inputs.config, tuple(len(s.input_ids) - 1 for s in self.samples), inputs.source)
-
-    def is_user(self, case: DraftCase) -> bool:
-        """The user's case, or a relabelled copy of it (e.g. the multi-step run's)."""
-        return case.id.startswith(USER_CASE_ID) and case.overrides == self.case.overrides
-
-    def checkpoint(self, case: DraftCase) -> dict[str, Path]:
-        """Copies in each implementation's format. SGLang-family drafts keep their own config.json and
-        tensor names, so SGLang reads them exactly as it would serve them (its legacy names, its
-        reading of norm_output, ...); other formats go through this suite's converter (conformance/checkpoints/formats.py)."""
-        if not self.is_user(case):
-            return super().checkpoint(case)
-        case = self.case
-        if case.id not in self._checkpoints:
-            src, cfg = self.inputs.checkpoint, self.inputs.config
-            weights = read_weights(src.path)
-            if "embed_tokens.weight" not in weights:
-                dtype = weights["fc.weight"].dtype
-                weights["embed_tokens.weight"] = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64,
-                                                             generator=torch.Generator().manual_seed(SEED)).to(dtype)
-            root = self.root / case.id
-            dirs = {"speculators": write_draft(cfg, weights, root / "speculators", "speculators")}
-            if src.format in SGLANG_FAMILY:
-                dirs["sglang"] = root / "sglang"
-                dirs["sglang"].mkdir(parents=True, exist_ok=True)
-                stored = {src.tensors[k].stored_name if k in src.tensors else k: v.contiguous() for k, v in weights.items()}
-                save_file(stored, str(dirs["sglang"] / WEIGHTS_FILE), metadata={"format": "pt"})
-                shutil.copyfile(src.path / CONFIG_FILE, dirs["sglang"] / CONFIG_FILE)
-            else:
-                dirs["sglang"] = write_draft(cfg, weights, root / "sglang", "sglang")
-            self._checkpoints[case.id] = dirs
-        return self._checkpoints[case.id]
-
-    def aux(self) -> list[torch.Tensor]:
-        """Aux states per used sample: from the dump, from the tiny target, or seeded random."""
-        if self._aux is None:
-            cfg, samples = self.inputs.config, self.samples
-            A, Ht = cfg.num_aux_hidden_states, cfg.target_hidden_size
-            if self.inputs.hidden_states is not None:
-                full = read_dump(self.inputs.hidden_states, self.inputs.samples[:len(samples)], cfg)
-                self._aux = [a[: len(s.input_ids) - 1] for a, s in zip(full, samples)]
-                self.aux_source = "hidden-state dump (speculators datagen layout)"
-            elif self.inputs.samples is not None and uses_tiny_target(cfg):
-                target = TinyTarget(cfg, torch.Generator().manual_seed(SEED + 2))
-                self._aux = [target.hidden_states(list(s.input_ids))[:-1, :A].flatten(1).double() for s in samples]
-                self.aux_source = f"tiny random target (layers {list(target.aux_layer_ids)} of {target.model.config.num_hidden_layers})"
-            else:
-                g = torch.Generator().manual_seed(SEED + 3)
-                self._aux = [torch.randn(len(s.input_ids) - 1, A * Ht, generator=g, dtype=torch.float64) for s in samples]
-                self.aux_source = "seeded random"
-        return self._aux
-
-    def batch(self, case: DraftCase, steps: int = 1, teacher_forced: bool = True):
-        if not self.is_user(case):
-            return super().batch(case, steps, teacher_forced)
-        return make_data_batch(self.inputs.config, self.samples, self.aux(), steps, teacher_forced)
-
-    def accounts(self) -> dict:
-        """Weight accounting of the user's draft per implementation (fp32), computed once."""
-        from conformance.loading.accounting import account
-
-        if self._accounts is None:
-            dirs = self.checkpoint(self.case)
-            self._accounts = {impl: account(impl, dirs[fmt], torch.float32, self.inputs.target)
-                              for impl, fmt in (("reference", "speculators"), ("speculators", "speculators"),
-                                                ("sglang", "sglang"))}
-        return self._accounts
-
-    def report_rows(self) -> list[dict]:
-        """What ran, for the report's "bring your own draft" section (no temp paths)."""
-        inputs, cfg = self.inputs, self.inputs.config
-        self.aux()
-        rows = [{"item": "draft", "value": inputs.source},
-                {"item": "format", "value": inputs.checkpoint.format},
-                {"item": "knobs", "value": _knob_summary(cfg)},
-                {"item": "inputs", "value": (f"{len(self.samples)} samples of "
-                                             f"{inputs.data_file.name if inputs.data_file else 'seeded random ids'}, "
-                                             f"<= {MAX_TOKENS} tokens each; aux states: {self.aux_source}")}]
-        if inputs.target:
-            t = inputs.target
-            rows.append({"item": "target", "value": f"{t['model_type']}: {t['num_hidden_layers']} layers, hidden "
-                                                    f"{t['hidden_size']}, vocab {t['vocab_size']}"})
-        rows += [{"item": "note", "value": n} for n in inputs.notes]
-        try:   # SGLang's own path routing, applied to the user's directory name
-            from sglang.srt.utils.hf_transformers.mistral_utils import is_mistral_model
-            if is_mistral_model(inputs.checkpoint.path.resolve()):
-                rows.append({"item": "note", "value": "SGLang routes this directory to its Mistral params.json parser "
-                                                      "(mistral_utils.py:361-362: 'eagle' and 'mistral' in the path); "
-                                                      "rename it before serving"})
-        except ImportError:
-            pass
-        return rows
-
-
-def _knob_summary(cfg: Eagle3Config) -> str:
-    on = [k for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output", "attention_bias",
-                      "mlp_bias", "tie_word_embeddings") if getattr(cfg, k)]
-    return (f"H {cfg.hidden_size}, Ht {cfg.target_hidden_size} x {cfg.num_aux_hidden_states} aux, "
-            f"{cfg.num_hidden_layers} layer(s), {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads x "
-            f"{cfg.head_dim}, vocab {cfg.vocab_size} -> {cfg.draft_vocab_size}, rope "
-            f"{(cfg.rope_scaling or {}).get('rope_type', 'default')} {cfg.rope_theta:g}"
-            + (f", window {cfg.sliding_window}" if cfg.sliding_window else "")
-            + (f"; on: {', '.join(on)}" if on else ""))
-
-
 # ---------------------------------------------------------------- pytest wiring (called from conftest.py)
 
 INPUTS_KEY = pytest.StashKey[UserInputs]()
@@ -305,7 +165,7 @@ def configure_user_inputs(config) -> None:
             config.stash[TARGET_KEY] = read_target_config(Path(target))
         if ckpt:
             inputs = validate_inputs(Path(ckpt), Path(data) if data else None, Path(hidden) if hidden else None,
-                                     Path(target) if target else None)
+                                     Path(target) if target else None, trainer=config.getoption("--trainer") or "auto")
             config.stash[INPUTS_KEY] = inputs
     except CheckpointError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -318,7 +178,11 @@ def collection_case(config) -> DraftCase:
     return user_case(cfg, (), "")
 
 
-def make_user_store(config, root: Path) -> UserDraftStore:
+def make_user_store(config, root: Path):
+    """A UserDraftStore on --draft-checkpoint, or, without it, on a fixture draft."""
+    from conformance.user.example_draft import write_example
+    from conformance.user.store import UserDraftStore
+
     inputs = config.stash.get(INPUTS_KEY, None)
     if inputs is None:
         ckpt, data, dump = write_example(root / "inputs", "specforge")

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.core.harness import KnownDivergenceHit
+from conformance.core.matching import known_param, match_wiring, settle
+from conformance.core.registry import Known
+from conformance.core.report import Section
 from conformance.wiring.wiring import (
-    CASES_BY_ID, KnownWiring, WiringComparison, boundary_name, config_ids, known_wiring, layer_list, wiring_matrix,
+    CASES_BY_ID, WiringComparison, boundary_name, config_ids, known_wiring, layer_list, wiring_matrix,
 )
 from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS, TARGETS_BY_ID
 
@@ -19,23 +21,20 @@ def params(triples):
     """pytest params (target, case, format); a registered wiring mismatch makes its param a strict xfail."""
     for target, case, fmt in triples:
         known = known_wiring(target, case, fmt)
-        marks = [pytest.mark.xfail(strict=True, raises=KnownDivergenceHit, reason=known.describe())] if known else []
-        yield pytest.param(target, case, fmt, id=f"{target.id}-{case.id}-{fmt}", marks=marks)
+        yield known_param(target, case, fmt, id=f"{target.id}-{case.id}-{fmt}", known=known[:1])
 
 
-def assert_wiring(comparison: WiringComparison, known: KnownWiring | None, report, repro: str) -> None:
-    """Record the case's row and fail with both layer lists; the registered mismatch raises KnownDivergenceHit."""
+def assert_wiring(comparison: WiringComparison, known: tuple[Known, ...], report, repro: str) -> None:
+    """Record the case's row and fail with both layer lists; only the registered kind of mismatch raises
+    KnownDivergenceHit (registry.match_wiring)."""
     __tracebackhide__ = True
     kind = comparison.kind
-    hit = known is not None and not comparison.ok and kind == known.kind
+    hit = None if comparison.ok else match_wiring(known, kind)
     outcome = "pass" if comparison.ok else (f"known: {kind}" if hit else f"FAIL: {kind}")
-    report.add_row("wiring", comparison.row(outcome))
+    report.add_row(Section.WIRING, comparison.row(outcome))
     if comparison.ok:
         return
-    message = comparison.message(repro)
-    if hit:
-        raise KnownDivergenceHit(f"{message}\n  known: {known.reason}")
-    raise AssertionError(message)
+    settle(comparison.message(repro), hit)
 
 
 @pytest.mark.parametrize("target,case,fmt", list(params(wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS))))
@@ -82,8 +81,10 @@ def test_end_to_end_logits(target, case, fmt, wiring, report, repro):
     comparison, wiring_result = wiring.end_to_end(target, case, fmt)
     first = comparison.first_divergence
     logits = [r for r in comparison.results if r.stage == "logits"]
-    hit = known is not None and first is not None and first.stage == "aux_in"
-    report.add_row("wiring end to end", {
+    # Known only when SGLang's capture shows the registered kind and the draft first differs at its input.
+    at_input = first is not None and (first.step, first.stage) == (0, "aux_in")
+    hit = match_wiring(known, wiring_result.kind) if at_input and not wiring_result.ok else None
+    report.add_row(Section.WIRING_END_TO_END, {
         "Case": comparison.case_id, "training captured": layer_list(case.boundaries),
         "SGLang captured": "-" if wiring_result.serving is None else layer_list(wiring_result.serving),
         "first divergent stage": "-" if first is None else f"step {first.step} {first.stage}",
@@ -91,7 +92,4 @@ def test_end_to_end_logits(target, case, fmt, wiring, report, repro):
         "outcome": "pass" if first is None else ("known divergence" if hit else "FAIL")})
     if first is None:
         return
-    message = f"{comparison.message(repro)}\n  wiring: {wiring_result.lists()}"
-    if hit:
-        raise KnownDivergenceHit(f"{message}\n  known: {known.reason}")
-    raise AssertionError(message)
+    settle(f"{comparison.message(repro)}\n  wiring: {wiring_result.lists()} ({wiring_result.kind})", hit)

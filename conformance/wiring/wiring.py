@@ -17,6 +17,8 @@ from conformance.adapters.sglang.target import (
     AuxIds, CaptureFailed, DraftConfigRefused, SGLangTarget, build_target, load_target, sglang_aux_layer_ids,
 )
 from conformance.core.compare import OK, StageResult, compare_tensors
+from conformance.core.registry import WIRING_KINDS, Known, applicable
+from conformance.core.common import by_id
 from fixtures.checkpoint import sglang_config_json, speculators_config_json
 from fixtures.targets import (
     TARGET_HIDDEN, TARGET_LAYERS, TargetSpec, make_hf_target, make_target_input, write_target_config,
@@ -120,8 +122,7 @@ SEED_CASES: tuple[WiringCase, ...] = (
                "the seed's draft with its config rewired to what it was trained on",
                config_ids=tuple(shrink(i) for i in (0, 3, 31))),
 )
-CASES_BY_ID = {c.id: c for c in TRAINING_CASES + SEED_CASES}
-assert len(CASES_BY_ID) == len(TRAINING_CASES) + len(SEED_CASES), "wiring case ids must be unique"
+CASES_BY_ID = by_id(TRAINING_CASES + SEED_CASES, "wiring case")
 
 
 # ---------------------------------------------------------------- draft config formats (what SGLang reads)
@@ -170,85 +171,31 @@ def config_ids(case: WiringCase, fmt: str) -> tuple[int, ...] | None:
     return None if ids is None else tuple(ids)
 
 
-# ---------------------------------------------------------------- known wiring divergences of SGLang 0.5.23
+# ---------------------------------------------------------------- known wiring behaviour (core/registry.toml)
 
 REFUSED, CAPTURE_FAILED, DEFAULT_LIST = "config refused", "capture failed", "default list"
-MISSING, SHALLOWER, DEEPER, WRONG, MATCH = "slot missing", "one layer shallower", "one layer deeper", "wrong layers", "match"
+MISSING, SHALLOWER, DEEPER = "slot missing", "one layer shallower", "one layer deeper"
+WRONG, MATCH = "wrong layers", "match"
+assert {REFUSED, CAPTURE_FAILED, DEFAULT_LIST, MISSING, SHALLOWER, DEEPER, WRONG} == set(WIRING_KINDS), \
+    "the registry's wiring kinds are WiringComparison.kind's"
 
 
-@dataclass(frozen=True)
-class KnownWiring:
-    kind: str                                           # the mismatch it produces (WiringComparison.kind)
-    condition: str                                      # when, readable
-    applies: Callable[[TargetSpec, WiringCase, str], bool]
-    reason: str                                         # why, with file:line
-
-    def describe(self) -> str:
-        return f"SGLang when {self.condition}: {self.kind}. {self.reason}"
-
-
-def sglang_rule(rule: str, ids: tuple[int, ...]) -> tuple[int, ...]:
-    """The registry's reading of the cited set_eagle3_layers_to_capture variants, for explicit ids:
-    which boundaries their layers_to_capture name (plus_one: llama.py:937-941, qwen3.py:790-791;
-    first_id_is_one: deepseek_v2.py:3466-3473; final_boundary: gpt_oss.py:1346-1352)."""
-    if rule == "plus_one" or (rule == "first_id_is_one" and ids[0] == 1) or (
-            rule == "final_boundary" and max(ids) != N):
-        return tuple(i + 1 for i in ids)
-    return tuple(ids)
+def wiring_names(target: TargetSpec, case: WiringCase, fmt: str) -> dict[str, object]:
+    """What a registry wiring condition reads: the target and its SGLang class, the config format, the
+    training case, and the ids the config carries (config_shift: by how much they differ from the
+    trained boundaries, when all by the same amount; None otherwise)."""
+    ids = config_ids(case, fmt)
+    shifts = {i - b for i, b in zip(ids, case.boundaries)} if ids and len(ids) == len(case.boundaries) else set()
+    return {"target": target.id, "target_class": target.sglang_class.split(":")[1], "format": fmt, "case": case.id,
+            "trainer": case.trainer, "num_layers": N, "trained_on_default": case.boundaries == (2, N // 2, N - 3),
+            "config_has_ids": ids is not None, "first_config_id": ids[0] if ids else None,
+            "min_config_id": min(ids) if ids else None, "max_config_id": max(ids) if ids else None,
+            "config_shift": shifts.pop() if len(shifts) == 1 else None}
 
 
-def _served(t: TargetSpec, c: WiringCase, f: str) -> tuple[int, ...] | None:
-    """Boundaries SGLang's rule names for this config (None: no eagle_config ids)."""
-    ids = config_ids(c, f)
-    return None if ids is None else sglang_rule(t.capture_rule, ids)
-
-
-def _shifted(t, c, f, by: int) -> bool:
-    served = _served(t, c, f)
-    return served is not None and served == tuple(b + by for b in c.boundaries)
-
-
-KNOWN_WIRING: tuple[KnownWiring, ...] = (
-    KnownWiring(
-        REFUSED, "the draft config is in the speculators format", lambda t, c, f: f == "speculators",
-        "SGLang reads the draft config through transformers' AutoConfig (spec_aux_hidden_state.py:150-155, "
-        "utils/hf_transformers/config.py:228-233), which needs a top-level model_type "
-        "(transformers configuration_auto.py:442-445); speculators does not write one (config.py:314-330)."),
-    KnownWiring(
-        DEFAULT_LIST, "the config has no eagle_config ids and training did not use SGLang's default",
-        lambda t, c, f: config_ids(c, f) is None and c.boundaries != (2, N // 2, N - 3),
-        "SGLang reads the ids from eagle_config only; top-level ids are ignored and the target uses its "
-        "default [2, N//2, N-3] (spec_aux_hidden_state.py:185-196, llama.py:933-936, deepseek_v2.py:3462-3465)."),
-    KnownWiring(
-        MISSING, "a Llama-family target is asked for the final hidden (layer N)",
-        lambda t, c, f: t.capture_rule == "plus_one" and any(b >= N for b in _served(t, c, f) or ()),
-        "set_eagle3_layers_to_capture adds 1 to every explicit id (llama.py:937-941, qwen3.py:790-791) and the "
-        "forward captures only before layers 0..N-1 (llama.py:485-492, qwen3.py:524-531): a layer-N capture "
-        "never happens and the draft silently gets fewer chunks (aux_hidden_states.py:17-26)."),
-    KnownWiring(
-        CAPTURE_FAILED, "a DeepSeek-family target is asked for a layer outside 0..N-1",
-        lambda t, c, f: t.capture_rule == "first_id_is_one" and any(b < 0 or b >= N for b in _served(t, c, f) or ()),
-        "deepseek_v2.py:3466-3473 adds 1 only when the first id is 1, else uses the ids verbatim; a capture "
-        "at layer -1 or N never happens (loop deepseek_v2.py:3176-3196) and the packer sized for every id "
-        "raises 'captured k of 3' (aux_hidden_states.py:84-90)."),
-    KnownWiring(
-        SHALLOWER, "a DeepSeek-family target gets output-of-layer ids whose first id is not 1",
-        lambda t, c, f: t.capture_rule == "first_id_is_one" and _shifted(t, c, f, -1),
-        "deepseek_v2.py:3466-3473 adds 1 only when the first id is 1 (sglang#25454) and otherwise reads "
-        "the ids as input-of-layer ids: every chunk comes from one layer shallower."),
-    KnownWiring(
-        DEEPER, "input-of-layer ids in eagle_config are read as output-of-layer ids",
-        lambda t, c, f: _shifted(t, c, f, +1),
-        "The target adds 1 to explicit ids: always for the Llama family (llama.py:937-941, qwen3.py:790-791), "
-        "when the first id is 1 for DeepSeek (deepseek_v2.py:3466-3473), unless max(id) == N for gpt-oss "
-        "(gpt_oss.py:1346-1352): every chunk comes from one layer deeper."),
-    KnownWiring(
-        WRONG, "the seed's config names other layers than training captured",
-        lambda t, c, f: c.id == "seed_as_shipped",
-        "The shipped config says [3, 31, 59] (here shrunk) while training fed [embed, 3, 31]; SGLang uses ids "
-        "whose first entry is not 1 verbatim as input-of-layer ids (deepseek_v2.py:3466-3473) and serves "
-        "exactly what the config says: the config does not describe the training capture."),
-)
+def known_wiring(target: TargetSpec, case: WiringCase, fmt: str) -> tuple[Known, ...]:
+    """The registry's wiring entries for this case; the first decides (registry.match_wiring)."""
+    return applicable("wiring", "sglang", wiring_names(target, case, fmt))
 
 
 def wiring_matrix(targets) -> list[tuple[TargetSpec, WiringCase, str]]:
@@ -256,11 +203,6 @@ def wiring_matrix(targets) -> list[tuple[TargetSpec, WiringCase, str]]:
     return [(t, c, f) for t in targets
             for c in TRAINING_CASES + (SEED_CASES if t.capture_rule == "first_id_is_one" else ())
             for f in formats_for(c)]
-
-
-def known_wiring(target: TargetSpec, case: WiringCase, fmt: str) -> KnownWiring | None:
-    """The entry that decides this case (the registry is ordered: the format's own entries first)."""
-    return next((k for k in KNOWN_WIRING if k.applies(target, case, fmt)), None)
 
 
 # ---------------------------------------------------------------- the comparison
@@ -522,6 +464,5 @@ class WiringStore:
             batch(serving_aux, sglang_logits[-1].argmax())).on_cpu()
         trained = ADAPTERS["speculators"]().load(dirs["speculators"], DTYPE).run(
             batch(training_aux, run.hf_logits[-1].argmax()))
-        comparison = compare_traces(served, trained, ADAPTERS["sglang"].claimed_stages, cfg.num_hidden_layers,
-                                    wiring.case_id)
+        comparison = compare_traces(served, trained, wiring.case_id)
         return comparison, wiring

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from conformance.core.common import first_line
+from conformance.core.registry import Known, applicable
 from reference.eagle3 import Eagle3Config
 
 # Settings the test runs with unless --sglang-args says otherwise: chain drafting with the steps the
@@ -48,6 +51,7 @@ class Finding:
     effective: object          # what SGLang serves with
     verdict: str               # "mismatch": serving differs from what was asked for or trained; "note"
     why: str                   # the cause, with file:line in the pinned packages
+    entry: str = ""            # the registry entry (conformance/core/registry.toml) it comes from, if any
 
     def line(self) -> str:
         return f"{self.setting}: requested {self.requested}, effective {self.effective}: {self.why}"
@@ -63,6 +67,7 @@ class DraftFacts:
     target_embed: torch.Tensor       # the target's
     sglang_config: dict              # the draft config.json SGLang reads
     target_layers: int
+    served: tuple[str, tuple[int, ...]] = ("", ())   # served_aux_layers: what SGLang read, layers_to_capture
 
 
 @dataclass
@@ -148,7 +153,7 @@ def resolve(command_line: str, target_dir: Path, draft_dir: Path):
         try:
             server_args.resolve_once()
         except Exception as exc:   # SGLang refuses the combination: its own words, one line
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            first = first_line(exc)
             raise CommandLineError(f"--sglang-args: SGLang refuses {command_line!r}: {first}") from None
     resolved = server_args.resolved_dict()
     return requested, {k: resolved[k] for k in SHOWN}, warnings
@@ -166,9 +171,11 @@ def target_architecture(target_dir: Path) -> str:
 
 
 def findings(requested: dict, effective: dict, warnings: list[str], facts: DraftFacts, arch: str) -> list[Finding]:
-    """Each way the served draft differs from what was asked for or what it was trained on."""
+    """Each way the served draft differs from what was asked for or what it was trained on. What SGLang's
+    resolution changed is observed; what SGLang does with a setting beyond that is the registry's
+    `settings` entries for the installed version (conformance/core/registry.toml)."""
     out: list[Finding] = []
-    cfg = facts.config
+    known = applicable("settings", "sglang", settings_names(effective, facts))
     auto = all(requested[k] is None for k in NUMBERS)
     for k in NUMBERS:
         asked, got = requested[k], effective[k]
@@ -176,17 +183,16 @@ def findings(requested: dict, effective: dict, warnings: list[str], facts: Draft
             out.append(Finding(k, None, got, NOTE,
                                f"auto-chosen by SGLang for a {arch} target (speculative_hook.py:1159-1174, 1430-1461)"
                                if auto else "derived by SGLang's resolution (speculative_hook.py)"))
-        elif asked != got:
-            why = "changed by SGLang's resolution"
-            if k == "speculative_num_draft_tokens" and effective["speculative_eagle_topk"] == 1:
-                said = next((w for w in warnings if "speculative_num_draft_tokens is adjusted" in w), "")
-                why = (f"with topk == 1 SGLang drafts a chain and sets num_draft_tokens = num_steps + 1 = {got} "
-                       f"(arg_groups/speculative_hook.py:1255-1266): at most {got} tokens per verify round"
-                       + (f"; SGLang's warning: {said!r}" if said else ""))
-            out.append(Finding(k, asked, got, MISMATCH, why))
+        elif asked != got:   # observed; a registry entry on this setting says why
+            entry = next((e for e in known if e.setting == k), None)
+            said = next((w for w in warnings if k in w), "")
+            why = (f"{entry.reason} [{entry.id}]" if entry else "changed by SGLang's resolution") + (
+                f"; SGLang's warning: {said!r}" if said else "")
+            out.append(Finding(k, asked, got, MISMATCH, why, entry.id if entry else ""))
     if (effective["speculative_eagle_topk"] or 1) > 1:
-        out.append(Finding("speculative_eagle_topk", requested["speculative_eagle_topk"], effective["speculative_eagle_topk"],
-                           NOTE, "tree drafting (topk > 1): 1 + sum_k full_acc_k predicts chain drafting only"))
+        topk = "speculative_eagle_topk"
+        out.append(Finding(topk, requested[topk], effective[topk], NOTE,
+                           "tree drafting (topk > 1): 1 + sum_k full_acc_k predicts chain drafting only"))
     steps = effective["speculative_num_steps"]
     if steps is not None and steps > facts.trained_steps:
         out.append(Finding("speculative_num_steps", requested["speculative_num_steps"], steps, MISMATCH,
@@ -194,23 +200,15 @@ def findings(requested: dict, effective: dict, warnings: list[str], facts: Draft
                            f"(speculators_config.proposal_methods[0].speculative_tokens): steps "
                            f"{facts.trained_steps + 1}..{steps} were never trained"))
     if effective["speculative_algorithm"] != "EAGLE3":
-        out.append(Finding("speculative_algorithm", requested["speculative_algorithm"], effective["speculative_algorithm"],
-                           MISMATCH, "the draft is an EAGLE-3 draft (LlamaForCausalLMEagle3)"))
-    if effective["speculative_token_map"] is not None:
-        out.append(Finding("speculative_token_map", requested["speculative_token_map"], effective["speculative_token_map"],
-                           MISMATCH, "ignored for EAGLE-3 (warning only): SGLang uses the checkpoint's d2t "
-                                     "(speculative/eagle_worker_v2.py:323-331)"))
-    out += _embed_and_head(facts)
-    out += _window(effective, facts)
-    if effective["speculative_use_rejection_sampling"] and cfg.draft_vocab_size != cfg.vocab_size:
-        out.append(Finding("speculative_use_rejection_sampling", requested["speculative_use_rejection_sampling"], True,
-                           MISMATCH, f"SGLang refuses to start: rejection sampling needs one vocabulary, the draft's is "
-                                     f"{cfg.draft_vocab_size} of {cfg.vocab_size} (speculative/eagle_worker_v2.py:259-273)"))
+        algorithm = "speculative_algorithm"
+        out.append(Finding(algorithm, requested[algorithm], effective[algorithm], MISMATCH,
+                           "the draft is an EAGLE-3 draft (LlamaForCausalLMEagle3)"))
+    out += [_registered(e, requested, effective, facts) for e in known if e.setting not in NUMBERS]
     for k in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
         if effective[k] is not None and effective[k] < 1.0:
             out.append(Finding(k, requested[k], effective[k], NOTE,
-                               "relaxed acceptance when sampling (arg_groups/fields/spec.py:109-116): accept length above "
-                               "the greedy chain's"))
+                               "relaxed acceptance when sampling (arg_groups/fields/spec.py:109-116): accept length "
+                               "above the greedy chain's"))
     if requested["max_running_requests"] is None:
         out.append(Finding("max_running_requests", None, effective["max_running_requests"], NOTE,
                            "set for speculative decoding (speculative_hook.py:1088-1097)"))
@@ -221,71 +219,64 @@ def findings(requested: dict, effective: dict, warnings: list[str], facts: Draft
     return out
 
 
-def _embed_and_head(facts: DraftFacts) -> list[Finding]:
-    raw = facts.sglang_config
-    out = []
-    if raw.get("target_hidden_size", raw["hidden_size"]) == raw["hidden_size"]:
-        same = facts.draft_embed.shape == facts.target_embed.shape and torch.equal(facts.draft_embed, facts.target_embed)
-        diff = None if same or facts.draft_embed.shape != facts.target_embed.shape else \
-            float((facts.draft_embed - facts.target_embed).abs().max())
-        out.append(Finding(
-            "embed_tokens", "the draft's", "the target's", NOTE if same else MISMATCH,
-            "SGLang replaces the draft's embedding with the target's (speculative/eagle_worker_v2.py:355-363, "
-            "models/llama.py:910-918): " + ("no effect, they are identical (speculators trains with the target's "
-                                             "frozen embedding)" if same else
-                                             f"they differ (max abs {diff:.3e})" if diff is not None else
-                                             "they differ in shape")))
-    if raw.get("draft_vocab_size") is None and not raw.get("tie_word_embeddings"):
-        out.append(Finding("lm_head", "the draft's", "the target's", MISMATCH,
-                           "no draft_vocab_size in the config: SGLang loads the target's lm_head "
-                           "(models/llama_eagle3.py:302-307, eagle_worker_v2.py:355-360)"))
-    return out
+def settings_names(effective: dict, facts: DraftFacts) -> dict[str, object]:
+    """What a registry settings condition reads: the effective settings and the draft's knobs."""
+    return {**dataclasses.asdict(facts.config), **effective,
+            "config_has_draft_vocab_size": facts.sglang_config.get("draft_vocab_size") is not None}
 
 
-def _window(effective: dict, facts: DraftFacts) -> list[Finding]:
-    flag, trained = effective["speculative_draft_window_size"], facts.config.sliding_window
-    out = []
-    if flag is not None and trained is None:
-        out.append(Finding("speculative_draft_window_size", flag, flag, MISMATCH,
-                           f"every draft layer attends to {flag + 1} keys (the window is exclusive, "
-                           f"torch_native_backend.py:48; models/llama_eagle3.py:286-299); the draft was trained "
-                           f"with full attention"))
-    elif trained is not None and flag is None:
-        out.append(Finding("speculative_draft_window_size", None, None, MISMATCH,
-                           f"the draft was trained with sliding_window {trained}; SGLang never reads it, only the "
-                           f"flag sets a window (models/llama_eagle3.py:286-299): full attention"))
-    elif trained is not None and flag != trained - 1:
-        out.append(Finding("speculative_draft_window_size", flag, flag, MISMATCH,
-                           f"trained window {trained} keys; SGLang's window is exclusive ({flag + 1} keys, "
-                           f"torch_native_backend.py:48)"))
-    elif trained is not None:
-        out.append(Finding("speculative_draft_window_size", flag, flag, MISMATCH,
-                           f"{flag + 1} keys at step 0 as trained, but the window slides with the chain at steps >= 1 "
-                           f"(torch_native_backend.py:48); training keeps the step-0 window (speculators "
-                           f"attention.py:11-34)"))
-    if effective["speculative_draft_sink_size"] is not None:
-        out.append(Finding("speculative_draft_sink_size", effective["speculative_draft_sink_size"],
-                           effective["speculative_draft_sink_size"], MISMATCH,
-                           "ignored by the Llama EAGLE-3 draft (models/llama_eagle3.py:286-299 reads the window only)"))
-    return out
+def _registered(entry: Known, requested: dict, effective: dict, facts: DraftFacts) -> Finding:
+    """The finding a registry settings entry makes; embed_tokens is one only where the two embeddings differ."""
+    why = f"{entry.reason} [{entry.id}]"
+    if entry.setting not in ("embed_tokens", "lm_head"):
+        return Finding(entry.setting, requested[entry.setting], effective[entry.setting], MISMATCH, why, entry.id)
+    verdict = MISMATCH
+    if entry.setting == "embed_tokens":
+        draft, target = facts.draft_embed, facts.target_embed
+        if draft.shape == target.shape and torch.equal(draft, target):
+            verdict = NOTE
+            why += ": no effect, they are identical (speculators trains with the target's frozen embedding)"
+        else:
+            why += (f": they differ (max abs {float((draft - target).abs().max()):.3e})" if draft.shape == target.shape
+                    else ": they differ in shape")
+    return Finding(entry.setting, "the draft's", "the target's", verdict, why, entry.id)
 
 
 def _aux_layers(facts: DraftFacts) -> Finding:
-    """Which target layers SGLang captures for this draft, in the training convention (input of layer i)."""
-    eagle = facts.sglang_config.get("eagle_config") or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    """Which target layers SGLang captures for this draft, against the training capture (input of layer i).
+    SGLang's own path decides it (facts.served: its resolver and the target class's set_eagle3_layers_to_capture)."""
+    read, served = facts.served
     n = facts.target_layers
-    if ids is None:   # spec_aux_hidden_state.py:185-196 -> None -> the target's default list, no +1
-        served, how = (2, n // 2, n - 3), "no eagle_config: the target's default list (models/llama.py:933-936)"
-    else:
-        served, how = tuple(i + 1 for i in ids), "eagle_config ids + 1 (models/llama.py:937-941)"
-    trained = facts.config.aux_layer_ids or (2, n // 2, n - 3)
-    return Finding("aux layers captured", tuple(trained), served, NOTE if tuple(trained) == served else MISMATCH,
-                   f"{how}; trained on {tuple(trained)}")
+    trained = tuple(facts.config.aux_layer_ids or (2, n // 2, n - 3))   # speculators' default (models/utils.py:109-117)
+    how = f"SGLang read {read}; the target's layers_to_capture {list(served)} (input of layer i)"
+    if any(not 0 <= b < n for b in served):   # the wiring checks (pytest -k wiring) show what each class does there
+        return Finding("aux layers captured", trained, served, MISMATCH,
+                       f"{how}: a boundary outside the inputs of layers 0..{n - 1}; trained on {trained}")
+    return Finding("aux layers captured", trained, served, NOTE if trained == served else MISMATCH,
+                   f"{how}; trained on {trained}")
+
+
+def served_aux_layers(target_dir: Path, draft_dir: Path) -> tuple[str, tuple[int, ...]]:
+    """(what SGLang read from the draft config, the target's layers_to_capture), through SGLang's own path as
+    the wiring checks take it: resolve_spec_aux_hidden_state_config, then the target class's
+    set_eagle3_layers_to_capture; the class is SGLang's own pick for the target's config
+    (model_loader/utils.py get_model_architecture), built without weights."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    from conformance.adapters.sglang.target import build_target, sglang_aux_layer_ids
+    from fixtures.targets import TargetSpec
+
+    aux = sglang_aux_layer_ids(Path(draft_dir), Path(draft_dir).parent)   # also sets up SGLang's runtime
+    cls, arch = get_model_architecture(ModelConfig(str(target_dir), dtype="float32"))
+    target = build_target(TargetSpec(arch, f"{cls.__module__}:{cls.__name__}", "", "", "mha"), Path(target_dir))
+    target.set_capture(aux)
+    read = "no eagle_config ids" if aux.layer_ids is None else f"eagle_config ids {list(aux.layer_ids)}"
+    return (read if aux.use_aux else "use_aux_hidden_state false"), tuple(target.layers_to_capture)
 
 
 def draft_facts(speculators_dir: Path, sglang_dir: Path, target_dir: Path, config: Eagle3Config) -> DraftFacts:
-    from fixtures.checkpoint import WEIGHTS_FILE
+    from conformance.checkpoints import WEIGHTS_FILE
 
     raw = json.loads((Path(speculators_dir) / "config.json").read_text())
     methods = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
@@ -301,4 +292,4 @@ def draft_facts(speculators_dir: Path, sglang_dir: Path, target_dir: Path, confi
     return DraftFacts(config=config, trained_steps=int(methods[0].get("speculative_tokens", 3)),
                       draft_embed=draft_embed, target_embed=target_embed,
                       sglang_config=json.loads((Path(sglang_dir) / "config.json").read_text()),
-                      target_layers=target["num_hidden_layers"])
+                      target_layers=target["num_hidden_layers"], served=served_aux_layers(target_dir, sglang_dir))

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
-from conformance.adapters.sglang.draft import ATTENTION_BACKEND, ensure_runtime
+from conformance.adapters.sglang.runtime import ATTENTION_BACKEND, ensure_runtime
+from conformance.core.common import first_line
 from fixtures.targets import TargetSpec
 
 
@@ -29,7 +30,7 @@ class CaptureFailed(Exception):
 
 def one_line(exc: BaseException, *strip: str) -> str:
     """`Type: first line of the message`, with the given path prefixes removed (no temp paths in reports)."""
-    text = (str(exc).strip().splitlines() or [""])[0]
+    text = first_line(exc)
     for prefix in strip:
         text = text.replace(prefix.rstrip("/") + "/", "")
     return f"{type(exc).__name__}: {text}"

@@ -13,9 +13,11 @@ from typing import ClassVar
 import torch
 from safetensors import safe_open
 
+from conformance.adapters.base import Drafter, TimedPass, Trace, batch_on, installed_version, last_rows
+from conformance.adapters.speculators.recorder import Recorder
+from conformance.checkpoints import WEIGHTS_FILE
 from conformance.core import stages
-from conformance.adapters.base import Trace, batch_on
-from fixtures.checkpoint import WEIGHTS_FILE
+from conformance.loading.accounting import Accounting, checkpoint_tensors, finite, rope_text, vocab_map
 from reference.eagle3 import DraftBatch, Eagle3Config
 
 # Only used by the training loss (verifier_last_hidden_states), which is never run here; they are
@@ -28,16 +30,34 @@ NOT_OBSERVABLE = frozenset({"residual", "q_rot"})
 
 CPU_ATTENTION = "sdpa"   # see load()
 
+# What a benchmark times, per step (training has no decode pass: step 1 is a TTT step over all rows).
+TIMED = ("Eagle3DraftModel.forward(ttt_steps=1): fc + TTT step 0 over all B*L tokens",
+         "TTT step 1 over all B*L tokens = forward(ttt_steps=2) - forward(ttt_steps=1) (training has no decode pass)")
+
 
 class SpeculatorsAdapter:
     name: ClassVar[str] = "speculators"
+    package: ClassVar[str | None] = "speculators"
     checkpoint_format: ClassVar[str] = "speculators"
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST) - NOT_OBSERVABLE
+    draft_group: ClassVar[int | None] = 8   # its CPU attention is dense over the packed batch (a dense TTT mask)
+    serving_decode: ClassVar[bool] = False
+
+    @classmethod
+    def version(cls) -> str | None:
+        return installed_version(cls.package)
 
     def unsupported(self, cfg: Eagle3Config) -> str | None:
         # target_hidden_size != hidden_size is not refused here: speculators' own loader fails on
         # it (fc is A*hidden_size -> hidden_size, core.py:76-78), and that failure is the finding.
         return None
+
+    def fc_runs(self, cfg: Eagle3Config) -> bool:
+        return True
+
+    def dense_attention(self, device: str) -> bool:
+        # sdpa over a dense boolean TTT mask on CPU; on CUDA its flex attention (block-sparse).
+        return attention_for(device) == CPU_ATTENTION
 
     def load(self, ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = None,
              device: str = "cpu") -> "LoadedSpeculators":
@@ -52,6 +72,11 @@ class SpeculatorsAdapter:
         # same TTT mask as a dense boolean mask (core.py:54-60, attention.py extend_dense_...).
         # On CUDA speculators keeps its own default, the flex attention it trains with.
         config.transformer_layer_config._attn_implementation = attention_for(device)
+        if (config.transformer_layer_config.rope_parameters or {}).get("partial_rotary_factor", 1) < 1:
+            # Stock HF apply_rotary_pos_emb cannot turn part of a head; speculators' training installs
+            # its partial-neox patch for such drafts (train/cli.py:623-625, rotary_partial.py:73-92).
+            from speculators.models.eagle3.rotary_partial import install_partial_neox_rotary
+            install_partial_neox_rotary()
         # speculators' own `Eagle3DraftModel.from_pretrained` cannot load this checkpoint: after
         # loading it calls `load_verifier_weights`, whose Eagle3 override runs
         # `AutoConfig.from_pretrained(None)` when the verifier path is null (core.py:174-180) and so
@@ -71,6 +96,55 @@ class SpeculatorsAdapter:
         _check_every_tensor_loaded(model, ckpt_dir, info)
         model = to_compute_dtype(model.to(device), dtype).eval()
         return LoadedSpeculators(model, dtype, info, device)
+
+    def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None) -> Accounting:
+        """speculators' transformers loader keys parameters by name; load()'s strict check raises on
+        any tensor dropped or never loaded, so a refusal names them; success is verified by value."""
+        ckpt_dir = Path(ckpt_dir)
+        acct = Accounting(self.name)
+        ckpt = checkpoint_tensors(ckpt_dir)
+        acct.tensors = len(ckpt)
+        try:
+            model = self.load(ckpt_dir, dtype).model
+        except Exception as exc:   # the loader's own words, one line
+            return acct.refuse(exc, ckpt_dir)
+        state = model.state_dict()
+        for name in sorted(ckpt):
+            if name in state:
+                acct.land(name, name, state[name], ckpt[name])
+            else:
+                acct.dropped.append(name)
+        acct.never_loaded = sorted(set(state) - set(ckpt) - set(VERIFIER_OWNED))   # the teacher head is training-only
+        acct.nan = sorted(k for k, v in state.items() if k not in VERIFIER_OWNED and not finite(v))
+        acct.vocab_map = vocab_map(ckpt, model.embed_tokens.num_embeddings, model.lm_head.out_features)
+        acct.uses = {"embed_tokens": "checkpoint (in training: the verifier's, unless embed_requires_grad)",
+                     "lm_head": "checkpoint lm_head (in training: verifier lm_head[t2d], frozen; model.py:172-185)",
+                     "d2t": "checkpoint d2t" if model.d2t is not None else "none (draft vocab = vocab)"}
+        acct.knobs = knobs(model)
+        return acct
+
+
+def knobs(model) -> dict:
+    """The effective knob values, read from the loaded model's own modules and config."""
+    cfg = model.config
+    tl = cfg.transformer_layer_config
+    layer0 = model.layers[0]
+    rope = model.rotary_emb
+    return {
+        "aux states x width": f"{model.fc.in_features // tl.hidden_size} x {tl.hidden_size}",
+        "fc": f"{model.fc.in_features} -> {model.fc.out_features}, always",
+        "norm_before_fc": model.input_norm is not None, "fc_norm": model.fc_norm is not None,
+        "norm_before_residual": bool(getattr(layer0, "norm_before_residual", cfg.norm_before_residual)),
+        "norm_output": bool(cfg.norm_output),
+        "layers": len(model.layers),
+        "heads / kv heads / head_dim": f"{tl.num_attention_heads}/{tl.num_key_value_heads}/{tl.head_dim}",
+        "rope": rope_text(rope.rope_type, rope.config.rope_parameters.get("rope_theta", 10000.0)),
+        "q/k/v bias": layer0.self_attn.q_proj.bias is not None,
+        "mlp bias": layer0.mlp.gate_proj.bias is not None,
+        "sliding window": model.sliding_window if model.uses_sliding_window_attn else "none",
+        "vocab / draft vocab": f"{model.embed_tokens.num_embeddings}/{model.lm_head.out_features}",
+        "layers >= 1 pre-norm": "input_layernorm" if len(model.layers) > 1 else "-",
+    }
 
 
 def to_compute_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -127,7 +201,7 @@ class LoadedSpeculators:
         m, T = self.model, batch.input_ids.shape[0]
         batch = batch_on(batch, self.device)
         aux = batch.aux.to(self.dtype)
-        rec = _Recorder(m, T) if record else contextlib.nullcontext()
+        rec = Recorder(m, T) if record else contextlib.nullcontext()
         with rec:
             draft_tokens = m(
                 hidden_states=aux[None],
@@ -153,108 +227,55 @@ class LoadedSpeculators:
             notes.append("steps >= 1 are teacher-forced by speculators itself with its input_ids shifted "
                          "left by 1 + step over the whole packed row, 0-padded (core.py:332-338); "
                          "batch.next_ids is not used")
-        return Trace(impl=SpeculatorsAdapter.name, dtype=self.dtype, steps=trace,
-                     rows=[{} for _ in trace], notes=notes)
+        return Trace(impl=SpeculatorsAdapter.name, dtype=self.dtype, steps=trace, rows=[{} for _ in trace],
+                     notes=notes, claimed_stages=SpeculatorsAdapter.claimed_stages, num_layers=len(m.layers))
+
+    def timed_pass(self, batch: DraftBatch, step: int):
+        """Step 1 has no pass of its own: the call runs TTT steps 0 and 1 (the benchmark subtracts step 0)."""
+        return contextlib.nullcontext(TimedPass(lambda: self.run(batch, step + 1, record=False),
+                                                tuple(range(step + 1)), TIMED[step]))
+
+    def drafter(self) -> Drafter:
+        return teacher_forced_drafter(self)
 
 
 def _summary(info: dict) -> str:
     return ", ".join(f"{k}={sorted(v) if isinstance(v, (set, list)) else v}" for k, v in info.items() if v) or "clean"
 
 
-class _Recorder:
-    """Forward hooks that copy module inputs/outputs into per-TTT-step stage dicts.
+def teacher_forced_drafter(loaded: LoadedSpeculators) -> Drafter:
+    """speculators drafts by teacher forcing only: TTT step k of row t embeds input_ids[t + k]
+    (core.py:332-338). Its own drafts are fed back by appending them as rows after each request's
+    last row and running again with one more step: K runs, the k-th with k steps.
 
-    embed_tokens runs exactly once per TTT step (core.py:271), so its pre-hook opens each step after
-    the first; fc and its input norms run once, before it, and land in step 0.
+    Why the appended rows never change the chain of the last row t (read in speculators 0.9.0): at
+    step 0 row t attends to keys s <= t of its own document (attention.py:16-27: causal and document
+    masks), at steps >= 1 in addition only to its own earlier-step keys, the diagonal blocks that
+    extend_dense_mask_for_draft_tokens appends (attention.py:115-143); norms, MLP, fc and lm_head act
+    per row. So all row t takes from a later row is the token input_ids[t + k] it embeds at step k:
+    the draft d_k put there. The appended rows' own outputs are never read.
     """
-
-    def __init__(self, model, T: int):
-        self.model, self.T = model, T
-        self.steps: list[dict[str, torch.Tensor]] = [{}]
-        self.embed_calls = 0
-        self.handles: list = []
-
-    def put(self, stage: str, t: torch.Tensor, *shape: int) -> None:
-        self.steps[-1][stage] = t.detach().reshape(self.T, *shape).clone()
-
-    def out(self, stage: str, *shape: int):
-        return lambda _m, _args, output: self.put(stage, output, *shape)
-
-    def inp(self, stage: str, *shape: int):
-        return lambda _m, args: self.put(stage, args[0], *shape)
-
-    def __enter__(self):
-        m, cfg = self.model, self.model.config.transformer_layer_config
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        hooks = []   # (module, "pre" | "post", fn)
-
-        def open_step(_m, args):
-            if self.embed_calls:
-                self.steps.append({})
-            self.embed_calls += 1
-            self.put("input_ids", args[0])
-
-        hooks += [(m.embed_tokens, "pre", open_step), (m.embed_tokens, "post", self.out("embeds", -1))]
-        if m.input_norm is not None:
-            hooks.append((m.input_norm, "post", self.out("fc_in_norm", -1)))
-        if m.fc_norm is not None:
-            chunks: list[torch.Tensor] = []
-
-            def fc_norm_chunk(_m, _args, output):
-                chunks.append(output)
-                if len(chunks) == len(m.fc_norm):   # the concatenation fc reads (core.py:239-243)
-                    self.put("fc_in_norm", torch.cat(chunks, dim=-1), -1)
-
-            hooks += [(norm, "post", fc_norm_chunk) for norm in m.fc_norm]
-        hooks.append((m.fc, "post", self.out("fc_out", -1)))
-
-        def hidden_fed_back(_m, args):
-            if self.embed_calls > 1:   # steps >= 1: layer 0 reads cat([embeds, fed-back hidden]) (core.py:281)
-                self.put("hidden_in", args[0].chunk(2, dim=-1)[1], -1)
-
-        hooks.append((m.layers[0], "pre", hidden_fed_back))
-        for i, layer in enumerate(m.layers):
-            p, attn = f"layers.{i}.", layer.self_attn
-            if i == 0:   # first layer: input_layernorm on the embeds, hidden_norm on the hidden
-                hooks += [(layer.input_layernorm, "post", self.out(p + "embeds_norm", -1)),
-                          (layer.hidden_norm, "post", self.out(p + "hidden_norm", -1))]
-            else:
-                hooks.append((layer.input_layernorm, "post", self.out(p + "hidden_norm", -1)))
-            hooks += [
-                (attn.q_proj, "pre", self.inp(p + "attn_in", -1)),
-                (attn.q_proj, "post", self.out(p + "q", nh, hd)),
-                (attn.k_proj, "post", self.out(p + "k", nkv, hd)),
-                (attn.v_proj, "post", self.out(p + "v", nkv, hd)),
-                (attn.o_proj, "pre", self.inp(p + "attn_core", -1)),
-                (attn.o_proj, "post", self.out(p + "attn_out", -1)),
-                (layer.post_attention_layernorm, "pre", self.inp(p + "post_attn", -1)),
-                (layer.post_attention_layernorm, "post", self.out(p + "post_attn_norm", -1)),
-                (layer.mlp, "post", self.out(p + "mlp_out", -1)),
-                (layer, "post", self.out(p + "layer_out", -1)),
-            ]
-            self.handles.append(attn.register_forward_hook(self.cached_keys(p), with_kwargs=True))
-
-        hooks += [(m.norm, "post", self.out("final_norm", -1)), (m.lm_head, "post", self.out("logits", -1))]
-        # What the next TTT step is fed: the norm output when norm_output, else the last layer's
-        # output (core.py:302-306).
-        last = m.norm if m.config.norm_output else m.layers[-1]
-        hooks.append((last, "post", self.out("recurrent_hidden", -1)))
-
-        for module, kind, fn in hooks:
-            register = module.register_forward_pre_hook if kind == "pre" else module.register_forward_hook
-            self.handles.append(register(fn))
-        return self
-
-    def cached_keys(self, prefix: str):
-        """k_rot: the post-RoPE keys this step appended to speculators' DynamicCache (its last T rows)."""
-        def hook(attn, _args, kwargs, _output):
-            cache = kwargs.get("past_key_values")
-            if cache is not None:
-                keys = cache.layers[attn.layer_idx].keys          # [1, nkv, S, hd], S = (step + 1) * T
-                self.put(prefix + "k_rot", keys[0, :, -self.T:].transpose(0, 1), keys.shape[1], keys.shape[-1])
-        return hook
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+    def draft(batch: DraftBatch, contexts: list[torch.Tensor], K: int) -> torch.Tensor:
+        counts = torch.bincount(batch.seq_ids).tolist()
+        first = torch.tensor([0] + counts[:-1]).cumsum(0).tolist()
+        extra = K - 1
+        grown_len = [c + extra for c in counts]
+        grown_first = torch.tensor([0] + grown_len[:-1]).cumsum(0).tolist()
+        own = torch.cat([torch.arange(c) + g for c, g in zip(counts, grown_first)])   # old row -> new row
+        T = sum(grown_len)
+        aux = batch.aux.new_zeros(T, batch.aux.shape[1])       # appended rows: zeros, never attended by t
+        aux[own] = batch.aux
+        input_ids = batch.input_ids.new_zeros(T)
+        input_ids[own] = batch.input_ids
+        positions = torch.cat([torch.arange(n) + batch.positions[f] for n, f in zip(grown_len, first)])
+        seq_ids = torch.cat([torch.full((n,), j) for j, n in enumerate(grown_len)])
+        last = own[last_rows(batch)]
+        chain = []
+        for k in range(K):
+            grown = DraftBatch(aux=aux, input_ids=input_ids.clone(), positions=positions, seq_ids=seq_ids)
+            d = loaded.run(grown, k + 1, record=False).steps[k]["target_ids"][last]
+            chain.append(d)
+            if k < extra:
+                input_ids[last + k + 1] = d   # what row t embeds at step k + 1
+        return torch.stack(chain, dim=1)
+    return draft

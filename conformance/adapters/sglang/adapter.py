@@ -1,0 +1,164 @@
+"""SGLang's real EAGLE-3 draft (`LlamaForCausalLMEagle3`) run in-process (CPU, or CUDA), stage by stage.
+
+Step 0 is SGLang's draft EXTEND over every packed sequence; steps >= 1 are SGLang's draft DECODE
+passes on each request's last token, as in serving (drafting.py). Stages are observed with forward
+hooks on SGLang's own modules and mapped to the canonical layout (recorder.py,
+running-real-implementations.md); the runtime it needs is set up once per process (runtime.py).
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from conformance.adapters.base import Drafter, TimedPass, Trace, chain_drafter, installed_version
+from conformance.adapters.sglang import drafting, weights
+from conformance.adapters.sglang.recorder import Recorder, canonical_stages
+from conformance.adapters.sglang.runtime import WEIGHTS_FILE, attention_backend, ensure_runtime, forward_batch_on, \
+    forward_pass
+from conformance.core import stages
+from conformance.loading.accounting import Accounting
+from reference.eagle3 import DraftBatch, Eagle3Config
+
+# What a benchmark times, per step: one of SGLang's passes alone, replayed on its own pools.
+TIMED = ("one draft EXTEND pass: init_forward_metadata + LlamaForCausalLMEagle3.forward, B requests of L tokens",
+         "one draft DECODE pass (step 1): init_forward_metadata + forward, B queries over B*(L+1) cached keys")
+
+
+class SGLangAdapter:
+    name: ClassVar[str] = "sglang"
+    package: ClassVar[str | None] = "sglang"
+    checkpoint_format: ClassVar[str] = "sglang"
+    claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST)
+    draft_group: ClassVar[int | None] = None   # its attention runs per request: grouping gains nothing
+    serving_decode: ClassVar[bool] = True
+
+    @classmethod
+    def version(cls) -> str | None:
+        return installed_version(cls.package)
+
+    def unsupported(self, cfg: Eagle3Config) -> str | None:
+        # Knobs SGLang ignores (norm_before_residual, q/k/v bias, ...) are divergences for the
+        # suite to catch, not reasons to skip.
+        if cfg.hidden_act != "silu":
+            return f"SGLang's draft MLP (LlamaMLP) only supports silu, not {cfg.hidden_act!r}"
+        return None
+
+    def fc_runs(self, cfg: Eagle3Config) -> bool:
+        # fc only when the aux states are not hidden_size wide (llama_eagle3.py:238).
+        return cfg.num_aux_hidden_states * cfg.target_hidden_size != cfg.hidden_size
+
+    def dense_attention(self, device: str) -> bool:
+        return False   # paged attention per request over the KV pool
+
+    def load(self, ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = None,
+             device: str = "cpu") -> "LoadedSGLang":
+        """`server_args`: SGLang speculative server flags by ServerArgs field name (e.g.
+        speculative_draft_window_size), applied through SGLang's own scoped config override while
+        the model is built, which is when LlamaForCausalLMEagle3 reads them (llama_eagle3.py:288-299)."""
+        runtime = ensure_runtime()
+        if torch.device(device).type != runtime["device"]:
+            raise ValueError(f"sglang: asked for device {device!r}, but SGLang chose its kernels for "
+                             f"{runtime['device']!r} on this host (is_cuda() at import)")
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
+        from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+        from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+        from sglang.srt.runtime_context import get_spec
+        from sglang.srt.utils.hf_transformers.config import get_config
+
+        # SGLang's config path, minus its per-process cache (keyed by path only: a directory
+        # rewritten between tests would return a stale config); the model also writes into it.
+        config = get_config.__wrapped__(str(ckpt_dir), trust_remote_code=False)
+        with set_default_torch_dtype(dtype), get_spec().override(**(server_args or {})), torch.device(device):
+            model = LlamaForCausalLMEagle3(config).eval()
+        model.load_weights(safetensors_weights_iterator([str(Path(ckpt_dir) / WEIGHTS_FILE)]))
+        return LoadedSGLang(model, dtype, runtime, device, Path(ckpt_dir))
+
+    def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None) -> Accounting:
+        return weights.account(self, Path(ckpt_dir), dtype, target)
+
+
+class LoadedSGLang:
+    def __init__(self, model, dtype: torch.dtype, runtime: dict, device: str = "cpu", model_dir: Path | None = None):
+        self.model = model
+        self.model_dir = model_dir   # SGLang's ModelConfig is read from it for a GPU attention backend
+        self.dtype = dtype
+        self.runtime = runtime
+        self.device = device
+        self.attention_backend = attention_backend(device)
+        self.recorder = Recorder(model)
+        self.passes: list = []   # (backend, ForwardBatch) of each forward pass of the last run()
+        attn0 = model.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.hot_token_id = model.get_hot_token_id()
+
+    # ------------------------------------------------------------ the draft
+
+    def run(self, batch: DraftBatch, steps: int = 1, record: bool = True) -> Trace:
+        """`record=False`: the stage hooks are detached (a benchmark's set-up); the trace then holds
+        only what the passes return (recurrent_hidden, logits, draft_ids, target_ids)."""
+        if record:
+            return drafting.chain(self, batch, steps)
+        with self.hooks_detached():
+            return drafting.chain(self, batch, steps)
+
+    def run_tree(self, batch: DraftBatch, steps: int, topk: int, num_draft_tokens: int) -> Trace:
+        """SGLang's EAGLE tree draft (drafting.tree; conformance/draft/test_tree.py)."""
+        return drafting.tree(self, batch, steps, topk, num_draft_tokens)
+
+    def drafter(self) -> Drafter:
+        return chain_drafter(self)
+
+    # ------------------------------------------------------------ what the drafting loops use
+
+    def forward(self, backend, fb):
+        """One pass, recorded for replay; returns (its output, what the stage hooks saw)."""
+        if self.device != "cpu":
+            fb = forward_batch_on(fb, self.device)
+        translator = getattr(backend, "kv_index_translator", None)
+        if translator is not None:   # Triton reads KV ids through a plan, as ForwardBatch.init_new binds it
+            translator.bind_own_plan(fb)
+        self.passes.append((backend, fb))
+        self.recorder.take()
+        out = forward_pass(self.model, backend, fb)
+        return out, self.recorder.take()
+
+    def stages(self, seen: dict, spec_hidden: torch.Tensor, input_ids: torch.Tensor, out, aux_in: bool) -> dict:
+        return canonical_stages(self, seen, spec_hidden, input_ids, out, aux_in)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        # SGLang maps draft-vocab ids through hot_token_id (d2t + arange), as the EAGLE worker does.
+        return draft_ids if self.hot_token_id is None else self.hot_token_id[draft_ids]
+
+    def trace(self, steps: list[dict], rows: list[dict], notes: list[str]) -> Trace:
+        return Trace(impl=SGLangAdapter.name, dtype=self.dtype, steps=steps, rows=rows, notes=notes,
+                     claimed_stages=SGLangAdapter.claimed_stages, num_layers=len(self.model.model.layers))
+
+    # ------------------------------------------------------------ timing (benchmarks)
+
+    @contextlib.contextmanager
+    def timed_pass(self, batch: DraftBatch, step: int):
+        """Pass `step` of a two-step run (EXTEND, then DECODE step 1) replayed alone, hooks detached.
+        The run sets up pools, KV cache and ForwardBatches once; the benchmark batch has no cached
+        prefix, so the EXTEND is one pass and `passes[step]` is the asked one."""
+        self.run(batch, steps=2, record=False)
+        with self.hooks_detached():
+            yield TimedPass(lambda: self.replay_pass(step), (step,), TIMED[step])
+
+    @contextlib.contextmanager
+    def hooks_detached(self):
+        """No stage hooks inside (they clone every stage): what a benchmark times is the bare pass."""
+        self.recorder.detach()
+        try:
+            yield
+        finally:
+            self.recorder.attach()
+
+    def replay_pass(self, index: int):
+        """Forward pass `index` of the last run() again, on its own pools and ForwardBatch: SGLang's
+        EXTEND (0) or DECODE (k >= 1) pass alone. A pass rewrites the same KV slots with the same
+        values, so replaying it changes nothing (conformance/meta/test_lanes.py checks that)."""
+        backend, fb = self.passes[index]
+        return forward_pass(self.model, backend, fb)

@@ -1,0 +1,125 @@
+"""SGLang's real serving engine (`sglang.Engine`) on this host, with the scheduler-process shims.
+
+Unmodified `sglang.Engine`: the tokenizer manager in this process, scheduler and detokenizer as
+spawned processes, `TpModelWorker`/`ModelRunner`, the EAGLE-3 spec-v2 worker, the radix cache and
+SGLang's own accept accounting (`meta_info`). What the scheduler process needs on a CPU host is set
+up there by engine_shims.py; `ServedEngine.read_events()` returns what its capture recorded.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from conformance.adapters.sglang import engine_shims
+
+# Server arguments every engine of the lane gets (greedy fp32 on CPU; SGLang resolves the rest).
+BASE_ARGS = dict(
+    speculative_algorithm="EAGLE3", device="cpu", attention_backend="triton", disable_cuda_graph=True,
+    tp_size=1, skip_tokenizer_init=True, dtype="float32", max_total_tokens=4096, random_seed=0,
+    log_level="error",
+)
+# The server arguments SGLang may resolve differently from what was asked: reported per engine.
+RESOLVED_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+                   "attention_backend", "speculative_draft_attention_backend", "disable_overlap_schedule",
+                   "chunked_prefill_size", "max_running_requests", "disable_radix_cache", "page_size",
+                   "disable_cuda_graph", "dtype", "device")
+
+
+@functools.cache
+def shimmed_engine_class():
+    """The subclass of sglang.Engine, made on first use: importing SGLang's entrypoint pulls in uvloop,
+    fastapi and the rest, which only the engine lane needs."""
+    from sglang.srt.entrypoints.engine import Engine
+
+    class ShimmedEngine(Engine):
+        """sglang.Engine whose scheduler process runs engine_shims.run_scheduler_process (SGLang's
+        extension point for private schedulers, entrypoints/engine.py:266)."""
+
+        def __init__(self, capture_dir: str | None = None, fault_yaml: str | None = None, **kwargs):
+            # An instance attribute: Engine.__init__ reads self.run_scheduler_process_func; a partial of a
+            # module-level function pickles into the spawned process.
+            self.run_scheduler_process_func = functools.partial(
+                engine_shims.run_scheduler_process, capture_dir=capture_dir, fault_yaml=fault_yaml)
+            super().__init__(**kwargs)
+
+    return ShimmedEngine
+
+
+@contextlib.contextmanager
+def launch_environment(extra: dict[str, str]):
+    """The spawned processes copy this process's environment when they start: TRITON_INTERPRET=1 (read
+    when triton decorates SGLang's kernels, at import) and SGLang's own debug switches reach them
+    from here. Restored afterwards, so that nothing else in this process runs interpreted."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@dataclass
+class Served:
+    """One request as SGLang served it."""
+
+    prompt: list[int]
+    output_ids: list[int]
+    meta: dict             # SGLang's meta_info: spec_verify_ct, spec_accept_length, histogram, ...
+
+
+class ServedEngine:
+    """A started engine with its capture directory; `generate`, then `shutdown` (always)."""
+
+    def __init__(self, target_dir: Path, draft_dir: Path, capture_dir: Path, server_args: dict,
+                 env: dict[str, str] | None = None, fault_yaml: str | None = None):
+        self.capture_dir = capture_dir
+        self.requested = dict(server_args)
+        start = time.perf_counter()
+        with launch_environment({"TRITON_INTERPRET": "1", **(env or {})}):
+            self.engine = shimmed_engine_class()(
+                capture_dir=str(capture_dir), fault_yaml=fault_yaml, model_path=str(target_dir),
+                speculative_draft_model_path=str(draft_dir), **BASE_ARGS, **server_args)
+        self.start_seconds = time.perf_counter() - start
+        self.generate_seconds = 0.0
+
+    def resolved(self) -> dict:
+        """The server arguments as SGLang resolved them (ServerArgs after its own post-init)."""
+        args = self.engine.server_args
+        return {name: getattr(args, name, None) for name in RESOLVED_FIELDS}
+
+    def shims(self) -> dict[str, str]:
+        path = self.capture_dir / "shims.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[Served]:
+        """Greedy generations of `prompts`, submitted together (one batch when they fit)."""
+        start = time.perf_counter()
+        outs = self.engine.generate(input_ids=prompts, sampling_params={
+            "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True})
+        self.generate_seconds += time.perf_counter() - start
+        return [Served(list(p), list(o["output_ids"]), dict(o["meta_info"])) for p, o in zip(prompts, outs)]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def read_events(capture_dir: Path) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+    """Every event the scheduler's capture wrote, in order: (metadata, tensors)."""
+    events = []
+    for path in sorted(capture_dir.glob("event_*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["meta"])
+            events.append((meta, {k: f.get_tensor(k) for k in f.keys()}))
+    return events

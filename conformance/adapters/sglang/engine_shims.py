@@ -1,0 +1,178 @@
+"""What runs inside SGLang's spawned scheduler process: the CPU shims, planted faults, and the capture.
+
+`sglang.Engine` starts its scheduler with the spawn start method, so nothing patched in the test
+process reaches it. `ShimmedEngine` (engine.py) points SGLang's extension point
+`Engine.run_scheduler_process_func` at `run_scheduler_process` below, which sets the shims up in the
+scheduler process and then calls SGLang's own `run_scheduler_process`. Only the tree-build and
+greedy-verify kernels differ from what a CUDA server runs (shim `spec_tree._is_xpu`); every other
+shim selects the same code, run eagerly or by Triton's interpreter.
+
+The capture observes, never changes: stage hooks on the draft model (the model-level adapter's
+recorder, recorder.py), the worker's batch (request ids) and round results,
+each written as one safetensors file per event so that the test process can read them back.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from conformance.adapters.sglang.recorder import Recorder, canonical_stages
+
+# name -> what it changes; reported with each engine (conformance/engine/engine.py).
+SHIMS = {
+    "TRITON_INTERPRET=1": "environment, set before the scheduler imports triton: every @triton.jit kernel of SGLang "
+                          "(Triton attention backend, KV copy/warmup, draft cache-location assignment, tree build "
+                          "and verify) runs in Triton's interpreter on CPU tensors; same kernel source, fp32 numpy",
+    "attention_backend=triton": "server argument: SGLang's Triton attention backend (torch_native has no EAGLE "
+                                "multi-step draft backend, speculative/draft_utils.py:64, and cannot serve a "
+                                "TARGET_VERIFY batch, torch_native_backend.py:101)",
+    "spec_tree._is_xpu=True": "module flag of sglang.kernels.ops.speculative.spec_tree only: tree build "
+                              "(sgl_build_tree_kernel_triton) and greedy verify (verify_tree_greedy_triton) run "
+                              "SGLang's Triton port shipped for Intel XPU instead of the CUDA-JIT kernels, which "
+                              "are absent here: same operation and arguments, a different kernel",
+    "cache_locs._is_xpu=True": "module flag of sglang.kernels.ops.speculative.cache_locs only: verify's cache-"
+                               "location assignment (assign_extend_cache_locs[_uniform]) takes the Triton branch "
+                               "that CUDA, HIP, MUSA and XPU share, the kernel a CUDA server runs; on an unknown "
+                               "platform it falls through and returns None (reached by topk > 1 trees: a chain "
+                               "plans its verify window while drafting)",
+    "rotary_embedding.base._is_cpu=True": "module flag: RoPE dispatches to SGLang's forward_native (no vllm "
+                                          "fallback import), as the model-level adapter",
+    "torch.compiler.set_stance('force_eager')": "process-wide: SGLang's torch.compile'd helpers "
+                                                "(spec_utils.py:437, layers/sampler.py:933) run their Python "
+                                                "bodies eagerly instead of an inductor C++ build",
+}
+
+
+def apply_shims() -> dict[str, str]:
+    """The in-process shims; returns {shim: before -> after} for the report. Raises when Triton's
+    interpreter is off: the kernels were then decorated for a GPU driver that does not exist."""
+    import triton
+
+    if not triton.knobs.runtime.interpret:
+        raise RuntimeError("TRITON_INTERPRET=1 must be in the scheduler's environment before triton is imported")
+    from sglang.kernels.ops.speculative import cache_locs, spec_tree
+
+    from conformance.adapters.sglang.runtime import cpu_runtime_adjustments
+
+    done = {k: f"{a} -> {b}" for k, (a, b) in cpu_runtime_adjustments().items()}
+    before, spec_tree._is_xpu = spec_tree._is_xpu, True
+    done["sglang.kernels.ops.speculative.spec_tree._is_xpu"] = f"{before} -> True"
+    before, cache_locs._is_xpu = cache_locs._is_xpu, True
+    done["sglang.kernels.ops.speculative.cache_locs._is_xpu"] = f"{before} -> True"
+    torch.compiler.set_stance("force_eager")
+    done["torch.compiler stance"] = "default -> force_eager"
+    return done
+
+
+def run_scheduler_process(*args, capture_dir: str | None = None, fault_yaml: str | None = None, **kwargs):
+    """SGLang's run_scheduler_process, after the shims, a planted fault (a source_patcher YAML, SGLang's
+    own mechanism) and the capture. Picklable with functools.partial: it is the spawned process's target."""
+    from sglang.srt.managers.scheduler import run_scheduler_process as sglang_run
+
+    done = apply_shims()
+    if fault_yaml:
+        from sglang.srt.debug_utils.source_patcher import apply_patches_from_config
+
+        apply_patches_from_config(fault_yaml)
+    if capture_dir:
+        Capture(Path(capture_dir)).install()
+        (Path(capture_dir) / "shims.json").write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
+    return sglang_run(*args, **kwargs)
+
+
+class Capture:
+    """Writes one file per event: `draft pass` (a forward of the draft model: its batch layout and
+    canonical stages), `tree` (draft_forward's result: the drafted tokens of a round), `round` (a
+    worker call: its requests and what verify accepted)."""
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.seq = 0
+        self.call = -1
+        self.rids: list[str] = []
+        self.drafts: dict[int, ServedDraft] = {}
+
+    def write(self, kind: str, tensors: dict[str, torch.Tensor], **meta) -> None:
+        from safetensors.torch import save_file
+
+        meta.update(kind=kind, call=self.call, rids=self.rids)
+        flat = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items() if v is not None}
+        name = self.dir / f"event_{self.seq:06d}.safetensors"
+        tmp = name.with_suffix(".tmp")
+        save_file(flat, str(tmp), metadata={"meta": json.dumps(meta)})
+        os.replace(tmp, name)   # a reader never sees half a file
+        self.seq += 1
+
+    def install(self) -> None:
+        from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+        from sglang.srt.speculative import eagle_worker_v2
+        from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+        capture = self
+        generation = EAGLEWorkerV2.forward_batch_generation
+        # The draft's result of a round, as draft() hands it to verification: the module-level name
+        # draft() calls. (Not draft_forward itself: SGLang's own fault switches rewrite its source.)
+        build_verify_input = eagle_worker_v2.build_eagle_verify_input
+        model_forward = LlamaForCausalLMEagle3.forward
+
+        @functools.wraps(generation)
+        def forward_batch_generation(worker, batch, *args, **kwargs):
+            capture.call += 1
+            capture.rids = [req.rid for req in batch.reqs]
+            mode = batch.forward_mode.name
+            out = generation(worker, batch, *args, **kwargs)
+            capture.write("round", {"accept_lens": out.accept_lens, "next_token_ids": out.next_token_ids},
+                          mode=mode)
+            return out
+
+        def build_verify_input_recorded(batch, draft_input, parent_list, top_scores_index, draft_tokens,
+                                        *args, **kwargs):
+            if draft_tokens is not None:   # None: an idle batch
+                capture.write("tree", {"parent_list": parent_list, "top_scores_index": top_scores_index,
+                                       "draft_tokens": draft_tokens}, topk=kwargs.get("topk"))
+            return build_verify_input(batch, draft_input, parent_list, top_scores_index, draft_tokens,
+                                      *args, **kwargs)
+
+        @functools.wraps(model_forward)
+        def model_forward_recorded(model, input_ids, positions, forward_batch, *args, **kwargs):
+            served = capture.served(model)
+            served.recorder.take()
+            spec_hidden = forward_batch.spec_info.hidden_states.clone()
+            ids, pos = input_ids.clone(), positions.clone()
+            out = model_forward(model, input_ids, positions, forward_batch, *args, **kwargs)
+            mode = forward_batch.forward_mode
+            # Extend passes (prefill chunks, and the draft extend after verify) are fed the target's aux states.
+            aux_in = mode.is_extend(include_draft_extend_v2=True)
+            stages = canonical_stages(served, served.recorder.take(), spec_hidden, ids, out, aux_in=aux_in)
+            layout = {"positions": pos, "seq_lens": forward_batch.seq_lens,
+                      "extend_seq_lens": forward_batch.extend_seq_lens,
+                      "extend_prefix_lens": forward_batch.extend_prefix_lens,
+                      "req_pool_indices": forward_batch.req_pool_indices}
+            capture.write("draft pass", {**{f"stage:{k}": v for k, v in stages.items()}, **layout},
+                          mode=mode.name, batch_size=forward_batch.batch_size)
+            return out
+
+        EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
+        eagle_worker_v2.build_eagle_verify_input = build_verify_input_recorded
+        LlamaForCausalLMEagle3.forward = model_forward_recorded
+
+    def served(self, model) -> "ServedDraft":
+        if id(model) not in self.drafts:
+            self.drafts[id(model)] = ServedDraft(model)
+        return self.drafts[id(model)]
+
+
+class ServedDraft:
+    """The served draft model with the model-level adapter's stage hooks (recorder.Recorder): what
+    recorder.canonical_stages reads to map one pass onto the canonical stages."""
+
+    def __init__(self, model):
+        self.model = model
+        self.recorder = Recorder(model)
+        attn0 = model.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim

@@ -1,0 +1,135 @@
+"""speculators' own training path, as the trained-draft fixture and the acceptance prediction drive it.
+
+Everything here calls speculators 0.9.0's code (its dataset layout, CollateFn + shift_batch, vocab
+mapping, `from_training_args`, losses and metrics); nothing re-implements it. `recipe` arguments are
+fixtures.trained_draft.Recipe (read by field name).
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+FORWARD_KEYS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
+                "verifier_last_hidden_states")
+
+
+def speculators_items(ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor) -> list[dict]:
+    """One sample per sequence in speculators' dataset layout (train/data.py:32-55), loss on every token:
+    with a 2-token prompt every row's teacher-forced tokens are the target's own greedy tokens."""
+    T = ids.shape[1]
+    return [{"input_ids": ids[i], "hidden_states": aux[i], "verifier_last_hidden_states": last[i],
+             "loss_mask": torch.ones(T, dtype=torch.bool), "lengths": torch.tensor([T]),
+             "position_ids": torch.arange(T)} for i in range(ids.shape[0])]
+
+
+def collate(items: list[dict], hidden_size: int, num_aux: int) -> dict:
+    """speculators' own CollateFn with its Eagle-3 shift_batch: pairs (g_t, x_{t+1}, y_{t+1})."""
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
+    max_len = sum(int(item["lengths"][0]) - 1 for item in items)
+    batch = CollateFn(max_len=max_len, hidden_size=hidden_size, num_target_layers=num_aux,
+                      dtype=torch.float32, preprocess=shift_batch)(items)
+    return {k: batch[k] for k in FORWARD_KEYS}
+
+
+def loss_config(loss: str):
+    from speculators.losses import resolve_loss_config
+
+    return resolve_loss_config(loss, "eager")   # the fused default is a Triton kernel
+
+
+def draft_vocabulary(response_tokens: torch.Tensor, draft_vocab_size: int, vocab_size: int):
+    """(d2t, t2d): the most frequent response tokens (speculators' vocab_mapping.py:80-113)."""
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    tokens, counts = response_tokens.flatten().unique(return_counts=True)
+    return build_vocab_mappings_from_distribution(dict(zip(tokens.tolist(), counts.tolist())),
+                                                  draft_vocab_size, vocab_size)
+
+
+def make_draft_model(recipe, target_dir: Path, t2d: torch.Tensor, d2t: torch.Tensor):
+    """The draft as speculators' `train` CLI builds it (cli.py:587-592, core.py:368-426): geometry from
+    the verifier, default aux ids [2, N//2, N-3], embed/lm_head/verifier head and norm from the target."""
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.models.utils import resolve_draft_intermediate_size
+    from transformers import AutoConfig, LlamaConfig
+
+    verifier = AutoConfig.from_pretrained(target_dir, local_files_only=True)
+    # What speculators.train.cli.create_transformer_layer_config builds for a dense Llama verifier
+    # (cli.py:113-286); that module imports pydantic_settings, which is not installed here.
+    layer = LlamaConfig(
+        vocab_size=verifier.vocab_size, hidden_size=verifier.hidden_size,
+        intermediate_size=resolve_draft_intermediate_size(verifier), num_hidden_layers=recipe.draft_layers,
+        num_attention_heads=verifier.num_attention_heads, num_key_value_heads=verifier.num_key_value_heads,
+        hidden_act=verifier.hidden_act, max_position_embeddings=verifier.max_position_embeddings,
+        initializer_range=verifier.initializer_range, rms_norm_eps=verifier.rms_norm_eps,
+        head_dim=verifier.head_dim, tie_word_embeddings=False)
+    layer.rope_parameters = dict(verifier.rope_parameters)
+    with warnings.catch_warnings(), torch.random.fork_rng():
+        warnings.simplefilter("ignore")   # "using the default target layer ids": that is the point
+        torch.manual_seed(recipe.train_seed)   # HF initialises from the global generator; forked, restored
+        return Eagle3DraftModel.from_training_args(
+            verifier_config=layer, t2d=t2d, d2t=d2t, target_layer_ids=None,
+            verifier_name_or_path=str(target_dir), draft_vocab_size=recipe.draft_vocab_size,
+            norm_before_residual=False, ttt_steps=recipe.ttt_steps, draft_attn_impl=recipe.attention)
+
+
+def train(recipe, model, items: list[dict]) -> list[dict]:
+    """AdamW, linearly decayed, on the trainable parameters (speculators freezes embed_tokens and
+    lm_head: fc, the decoder layer and the final norm train); returns a
+    log of (step, loss, per-step training accuracy) every 50 steps."""
+    H = model.hidden_size
+    A = len(model.config.eagle_aux_hidden_state_layer_ids)
+    losses = loss_config(recipe.loss)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=recipe.lr)
+    # Linear decay to zero: the last steps settle instead of jumping between minibatches.
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0 - i / recipe.optimizer_steps)
+    pick = torch.Generator().manual_seed(recipe.train_seed)
+    log = []
+    model.train()
+    for step in range(recipe.optimizer_steps):
+        chosen = torch.randint(0, len(items), (recipe.sequences_per_step,), generator=pick).tolist()
+        batch = collate([items[i] for i in chosen], H, A)
+        _, loss, metrics = model(**batch, ttt_steps=recipe.ttt_steps, ttt_step_loss_decay=recipe.ttt_step_loss_decay,
+                                 loss_config=losses)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)   # as speculators' Trainer (trainer.py:551)
+        optimizer.step()
+        schedule.step()
+        if step % 50 == 0 or step + 1 == recipe.optimizer_steps:
+            log.append({"step": step, "loss": round(float(loss), 4), "full_acc": [
+                round(float(metrics[f"full_acc_{k}_sum"] / metrics[f"full_acc_{k}_total"]), 3)
+                for k in range(recipe.ttt_steps)]})
+    model.eval()
+    return log
+
+
+def heldout_metrics(ckpt_dir: Path, target_dir: Path, items: list[dict], hidden_size: int, num_aux: int,
+                    steps: int, loss: str) -> dict[str, float]:
+    """speculators' training forward with its loss and metrics on every item, summed (`full_acc_k_sum`,
+    `full_acc_k_total`, `cond_acc_...`).
+
+    The draft loads through the speculators adapter; the teacher (verifier_lm_head = the target's
+    lm_head rows of the draft vocabulary, verifier_norm) through speculators' own
+    load_verifier_weights from the target directory, as `from_training_args` does. One item per
+    forward: speculators' teacher forcing shifts across packed sequences (core.py:332-338).
+    """
+    from conformance.adapters.speculators.adapter import SpeculatorsAdapter
+
+    model = SpeculatorsAdapter().load(ckpt_dir, torch.float32).model
+    model.config.speculators_config.verifier.name_or_path = str(target_dir)
+    model.load_verifier_weights()
+    losses = loss_config(loss)
+    totals: dict[str, float] = {}
+    with torch.no_grad():
+        for item in items:
+            batch = collate([item], hidden_size, num_aux)
+            _, _, metrics = model(**batch, ttt_steps=steps, loss_config=losses)
+            for name, value in metrics.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+    return totals

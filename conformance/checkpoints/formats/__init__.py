@@ -1,0 +1,68 @@
+"""The draft checkpoint formats, one module each, and how a directory's format is detected.
+
+Every format is read into one Eagle3Config in training semantics (reference/eagle3.py) and tensors
+under the canonical names (`layers.0.*`, `fc_norm.j.*`), and written back from them; a round trip
+keeps every tensor bit-exact and every knob.
+
+| format        | config.json                                          | tensor names                      |
+|---------------|------------------------------------------------------|-----------------------------------|
+| speculators   | speculators_model_type eagle3, transformer_layer_config | layers.i.*, fc_norm.j.*        |
+| sglang        | flat, architectures LlamaForCausalLMEagle3           | layers.i.*, fc_norm.j.*           |
+| sglang-legacy | same, `use_aux_norm` for fc_norm                     | midlayer.*, aux_norm_low/mid/high |
+| specforge     | flat LlamaConfig export: no eagle_config, SpecForge's norm_output | midlayer.*, no embed_tokens |
+| eagle         | original EAGLE-3: LlamaForCausalLM + draft_vocab_size (read only) | midlayer.*           |
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from conformance.checkpoints.errors import CheckpointError, ConversionError
+from conformance.checkpoints.formats import eagle, sglang, sglang_legacy, specforge, speculators
+from conformance.checkpoints.knobs import ParsedConfig
+from conformance.checkpoints.schema import LEGACY_FC_NORM
+from reference.eagle3 import Eagle3Config
+
+MODULES = {m.NAME: m for m in (speculators, sglang, sglang_legacy, specforge, eagle)}
+FORMATS = tuple(MODULES)
+WRITABLE = tuple(name for name, m in MODULES.items() if hasattr(m, "config_json"))
+EAGLE3_ARCH = sglang.ARCHITECTURE
+
+
+def config_format(raw: dict, file: Path, tensor_names: list[str] | None = None) -> str:
+    """The format a config.json (and, for the flat formats, its tensor names) is in."""
+    if "speculators_model_type" in raw:
+        return speculators.NAME
+    arch = raw.get("architectures")
+    if not isinstance(arch, list) or not arch:
+        raise CheckpointError(file, "field architectures", f"missing or not a list ({arch!r}); cannot tell the format")
+    if arch[0] == EAGLE3_ARCH:
+        names = tensor_names or []
+        if not any(n.startswith(("midlayer.", "model.midlayer.")) for n in names):
+            return sglang.NAME
+        # midlayer names are SpecForge's module names (and the original EAGLE-3's); SGLang's own legacy
+        # checkpoints add `use_aux_norm` / `aux_norm_*`. Read as SpecForge, the only difference is the
+        # meaning of norm_output (semantics D27), which matters only when the key is present.
+        legacy = "use_aux_norm" in raw or any(n.split(".")[-2] in LEGACY_FC_NORM for n in names if "." in n)
+        return sglang_legacy.NAME if legacy else specforge.NAME
+    if arch[0] == "LlamaForCausalLM":
+        if "draft_vocab_size" in raw or "target_vocab_size" in raw:
+            return eagle.NAME
+        raise CheckpointError(file, "field architectures", "LlamaForCausalLM without draft_vocab_size: a target "
+                                                           "model config, not an EAGLE-3 draft")
+    raise CheckpointError(file, "field architectures", f"{arch[0]} is not an EAGLE-3 draft (expected {EAGLE3_ARCH}, "
+                                                       "LlamaForCausalLM with draft_vocab_size, or speculators_model_type eagle3)")
+
+
+def parse_config(raw: dict, file: Path, fmt: str | None = None, tensor_names: list[str] | None = None) -> ParsedConfig:
+    return MODULES[fmt or config_format(raw, file, tensor_names)].parse(raw, file)
+
+
+def config_json(cfg: Eagle3Config, fmt: str) -> dict:
+    if fmt not in WRITABLE:
+        raise ConversionError(f"cannot write format {fmt!r} (writable: {', '.join(WRITABLE)})")
+    return MODULES[fmt].config_json(cfg)
+
+
+def from_canonical(name: str, fmt: str) -> str:
+    """The name `fmt` stores the canonical tensor `name` under."""
+    return MODULES[fmt].stored_name(name)

@@ -1,0 +1,91 @@
+"""One served round against the reference's, stage by stage: the first divergence names the request,
+the round, the draft step and the stage.
+
+The engine's step 0 covers only the round's new rows (its KV cache holds the rest); the reference
+recomputes every row of the context, so the served rows are compared at their rows t. Before the
+canonical stages of each step come the positions SGLang's worker gave the pass (the rows t at step
+0, the last row's t + k at decode step k), and after the last step what verify accepted.
+"""
+from __future__ import annotations
+
+import torch
+
+from conformance.adapters.base import Trace
+from conformance.core import stages as S
+from conformance.core.compare import DIVERGED, OK, Comparison, StageResult, compare_traces
+from conformance.core.tolerances import tol_for
+from conformance.engine.served import ServedRound
+from conformance.engine.simulate import ReferenceRound
+
+IMPL = "sglang engine"
+# What the capture sees of a served pass: every canonical stage but draft_ids (the worker maps them to
+# target ids at once; the drafted target ids are read from its draft_forward result).
+CLAIMED = frozenset(S.PRE + S.LAYER + S.POST) - {"draft_ids"}
+POSITIONS, ACCEPTED = "positions", "accepted_drafts"
+
+
+def exact(step: int, stage: str, actual: torch.Tensor, expected: torch.Tensor) -> StageResult:
+    """An integer stage: equal, element for element."""
+    actual, expected = actual.flatten().long(), expected.flatten().long()
+    tol = tol_for("ids", torch.float32)
+    if actual.shape != expected.shape:
+        return StageResult(step, stage, DIVERGED, tol=tol, detail=f"{actual.tolist()}, expected {expected.tolist()}")
+    wrong = (actual != expected).nonzero().flatten()
+    detail = "" if not len(wrong) else f"{actual.tolist()}, expected {expected.tolist()}"
+    return StageResult(step, stage, DIVERGED if len(wrong) else OK, max_abs=float(len(wrong)),
+                       max_rel=float(len(wrong)) / max(actual.numel(), 1),
+                       abs_index=(int(wrong[0]),) if len(wrong) else None, mismatched=len(wrong),
+                       numel=actual.numel(), tol=tol, detail=detail)
+
+
+def served_trace(served: ServedRound, last_row: int, num_layers: int, chain: bool) -> tuple[Trace, list]:
+    """The served round as a Trace on the reference's rows, and its positions per step."""
+    n = sum(len(p.positions) for p in served.extend)
+    rows0 = torch.arange(last_row + 1 - n, last_row + 1)
+    cuts = torch.tensor([0] + [len(p.positions) for p in served.extend]).cumsum(0).tolist()
+    step0, rows = {}, {}
+    names = dict.fromkeys(k for p in served.extend for k in (*p.rows, *p.selected))
+    for name in names:
+        if all(name in p.rows for p in served.extend):
+            step0[name], rows[name] = torch.cat([p.rows[name] for p in served.extend]), rows0
+        elif all(name in p.selected for p in served.extend):
+            step0[name] = torch.cat([p.selected[name] for p in served.extend])
+            rows[name] = rows0[[c - 1 for c in cuts[1:]]]
+    steps, all_rows = [step0], [rows]
+    positions = [(torch.cat([p.positions for p in served.extend]), rows0)]
+    for k, p in enumerate(served.decode, start=1):
+        steps.append(dict(p.rows))
+        all_rows.append({name: torch.tensor([last_row]) for name in p.rows} if chain else {})
+        positions.append((p.positions, torch.full((len(p.positions),), last_row + k)))
+    if chain and "draft_tokens" in served.tree:
+        for k, token in enumerate(served.tree["draft_tokens"].flatten()[:len(steps)]):
+            steps[k]["target_ids"], all_rows[k]["target_ids"] = token[None], torch.tensor([last_row])
+    trace = Trace(impl=IMPL, dtype=torch.float32, steps=steps, rows=all_rows, claimed_stages=CLAIMED,
+                  num_layers=num_layers)
+    return trace, positions
+
+
+def compare_round(served: ServedRound, ref: ReferenceRound, case_id: str, chain: bool = True) -> Comparison:
+    """Positions, then every canonical stage of every step, then (chains) the accepted drafts."""
+    layers = ref.trace.num_layers
+    trace, positions = served_trace(served, ref.last_row, layers, chain)
+    steps = min(len(trace.steps), len(ref.trace.steps))
+    cmp = compare_traces(trace, ref.trace, case_id, steps=steps)
+    results = []
+    for step in range(steps):
+        results.append(exact(step, POSITIONS, *positions[step]))
+        results += [r for r in cmp.results if r.step == step]
+    if chain:
+        results.append(exact(steps - 1, ACCEPTED, torch.tensor([served.accepted]), torch.tensor([ref.accepted])))
+    cmp.results = results
+    return cmp
+
+
+def first_divergent_round(served: list[ServedRound], reference: list[ReferenceRound], case_id: str,
+                          chain: bool = True) -> tuple[int, Comparison | None]:
+    """The first round whose comparison fails (later rounds start from other contexts), or (rounds, None)."""
+    for r, (s, ref) in enumerate(zip(served, reference)):
+        cmp = compare_round(s, ref, f"{case_id}, round {r}", chain)
+        if cmp.first_divergence is not None:
+            return r, cmp
+    return min(len(served), len(reference)), None

@@ -1,0 +1,148 @@
+"""The engine lane's session store: each engine group served once, its references computed once.
+
+A group's engine is started, serves its scenarios wave by wave, and is shut down before the next one
+starts (one engine at a time, none left running). The checks read the outputs, SGLang's meta_info and
+the capture's rounds, against the target's greedy continuation (transformers `generate`) and the
+reference draft's simulation of the same requests.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from conformance.adapters import ADAPTERS
+from conformance.adapters.sglang.engine import Served, ServedEngine, read_events
+from conformance.engine.scenarios import EngineGroup, Prompt, Scenario
+from conformance.engine.served import ServedRound, served_rounds
+from conformance.engine.simulate import ReferenceRound, chain_rounds, tree_round
+from fixtures.trained_draft import TrainedDraft
+
+
+@dataclass
+class Request:
+    prompt: Prompt
+    served: Served
+    rounds: list[ServedRound]
+
+    @property
+    def label(self) -> str:
+        return f"request seq {self.prompt.seq}, prompt {self.prompt.length} tokens"
+
+
+@dataclass
+class ScenarioRun:
+    scenario: Scenario
+    requests: list[Request]
+    seconds: float
+
+
+@dataclass
+class GroupRun:
+    group: EngineGroup
+    resolved: dict = field(default_factory=dict)     # server arguments as SGLang resolved them
+    shims: dict = field(default_factory=dict)        # what the scheduler process changed (before -> after)
+    start_seconds: float = 0.0
+    scenarios: dict[str, ScenarioRun] = field(default_factory=dict)
+    error: str | None = None                         # the engine did not start or serve: one line
+
+
+class EngineLane:
+    def __init__(self, trained: TrainedDraft, root: Path):
+        self.trained, self.root = trained, root
+        self._runs: dict[str, GroupRun] = {}
+        self._chains: dict[tuple, list[ReferenceRound]] = {}
+        self._greedy: dict[tuple, list[int]] = {}
+        self._target = self._reference = None
+        self.reference_seconds = 0.0
+
+    # ------------------------------------------------------------ serving
+
+    def run(self, group: EngineGroup) -> GroupRun:
+        if group.id not in self._runs:
+            self._runs[group.id] = self._serve(group)
+        return self._runs[group.id]
+
+    def _serve(self, group: EngineGroup) -> GroupRun:
+        run = GroupRun(group)
+        capture = self.root / group.id
+        outputs: list[tuple[Scenario, list[tuple[Prompt, Served]], float]] = []
+        try:
+            engine = ServedEngine(self.trained.target_dir, self.trained.checkpoints["sglang"], capture,
+                                  group.server_args(), env=group.env, fault_yaml=group.fault_yaml)
+        except Exception as exc:   # SGLang's own words, on one line
+            run.error = f"engine {group.id} did not start: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+            return run
+        try:
+            run.start_seconds = engine.start_seconds
+            run.resolved = engine.resolved()
+            for scenario in group.scenarios:
+                start, served = time.perf_counter(), []
+                for wave in scenario.waves:
+                    prompts = [self.prompt_ids(p) for p in wave]
+                    served += zip(wave, engine.generate(prompts, scenario.new_tokens))
+                outputs.append((scenario, served, time.perf_counter() - start))
+            run.shims = engine.shims()
+        except Exception as exc:
+            run.error = f"engine {group.id} failed while serving: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+        finally:
+            engine.shutdown()
+        rounds = served_rounds(read_events(capture), group.topk)
+        for scenario, served, seconds in outputs:
+            requests = [Request(p, s, rounds.get(s.meta["id"], [])) for p, s in served]
+            run.scenarios[scenario.id] = ScenarioRun(scenario, requests, seconds)
+        return run
+
+    # ------------------------------------------------------------ the other side
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        return self.trained.heldout_ids[prompt.seq, :prompt.length].tolist()
+
+    @property
+    def target(self):
+        if self._target is None:
+            self._target = self.trained.target()
+        return self._target
+
+    @property
+    def reference(self):
+        """The reference draft (speculators-format checkpoint, training semantics), fp32."""
+        if self._reference is None:
+            self._reference = ADAPTERS["reference"]().load(self.trained.checkpoints["speculators"], torch.float32)
+        return self._reference
+
+    def greedy(self, prompt: Prompt, new_tokens: int) -> list[int]:
+        """The target's greedy continuation by transformers' own generate (eos is a real token here)."""
+        from transformers import GenerationConfig
+
+        key = (prompt, new_tokens)
+        if key not in self._greedy:
+            ids = torch.tensor([self.prompt_ids(prompt)])
+            config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0, bos_token_id=None)
+            with torch.no_grad():
+                out = self.target.model.generate(ids, generation_config=config)
+            self._greedy[key] = out[0, ids.shape[1]:].tolist()
+        return self._greedy[key]
+
+    def chain(self, prompt: Prompt, steps: int, new_tokens: int) -> list[ReferenceRound]:
+        """The reference draft's greedy chain speculative decoding of the same request."""
+        key = (prompt, steps, new_tokens)
+        if key not in self._chains:
+            start = time.perf_counter()
+            self._chains[key] = chain_rounds(self.reference, self.target, torch.tensor(self.prompt_ids(prompt)),
+                                             steps, new_tokens, self.trained.config.aux_layer_ids)
+            self.reference_seconds += time.perf_counter() - start
+        return self._chains[key]
+
+    def tree(self, group: EngineGroup, request: Request, r: int, kv: str) -> ReferenceRound:
+        """The reference tree on the context SGLang served at round r of `request`."""
+        committed = 1 + sum(s.accepted + 1 for s in request.rounds[:r])
+        context = torch.tensor(request.served.prompt + request.served.output_ids[:committed])
+        start = time.perf_counter()
+        out = tree_round(self.reference.model, self.target, context, self.trained.config.aux_layer_ids,
+                         group.steps, group.topk, group.draft_tokens, kv)
+        self.reference_seconds += time.perf_counter() - start
+        return out

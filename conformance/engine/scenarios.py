@@ -1,0 +1,78 @@
+"""The engine lane's scenarios, grouped by the engine (server arguments) that serves them.
+
+An engine start costs 10-60 s on the 2-core host (the spawned scheduler imports SGLang), generation
+a few seconds per request: scenarios that can share server arguments share an engine. Prompts are
+held-out sequences of the trained draft's fixture (two random tokens, then the target's own greedy
+continuation), so a prompt of any length stays on text the draft was trained for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Prompt:
+    seq: int        # held-out sequence
+    length: int     # its first `length` tokens
+
+
+@dataclass(frozen=True)
+class Scenario:
+    id: str
+    summary: str
+    waves: tuple[tuple[Prompt, ...], ...]   # each wave submitted together, after the previous one finished
+    new_tokens: int = 16
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return [p for wave in self.waves for p in wave]
+
+
+@dataclass(frozen=True)
+class EngineGroup:
+    id: str
+    steps: int                              # --speculative-num-steps
+    topk: int                               # --speculative-eagle-topk
+    draft_tokens: int                       # --speculative-num-draft-tokens (as requested)
+    scenarios: tuple[Scenario, ...]
+    chunked_prefill_size: int | None = None
+    env: dict = field(default_factory=dict)         # SGLang's own debug switches (planted faults)
+    fault_yaml: str | None = None                   # a source_patcher config (planted faults)
+
+    def server_args(self) -> dict:
+        args = dict(speculative_num_steps=self.steps, speculative_eagle_topk=self.topk,
+                    speculative_num_draft_tokens=self.draft_tokens)
+        if self.chunked_prefill_size:
+            args["chunked_prefill_size"] = self.chunked_prefill_size
+        return args
+
+    @property
+    def chain(self) -> bool:
+        return self.topk == 1
+
+
+def _two(first: int) -> tuple[tuple[Prompt, ...], ...]:
+    return ((Prompt(first, 2), Prompt(first + 1, 4)),)
+
+
+GROUPS = (
+    # The flags the project started from: SGLang serves a chain of 1 step and overrides the 16 draft tokens.
+    EngineGroup("seed_flags", steps=1, topk=1, draft_tokens=16, scenarios=(
+        Scenario("seed_flags", "topk 1, steps 1, draft tokens 16: the accept length SGLang measures", _two(0)),)),
+    EngineGroup("chain_k2_chunked", steps=2, topk=1, draft_tokens=3, chunked_prefill_size=4, scenarios=(
+        Scenario("chunked_prefill", "chunked prefill of 4 tokens: prompts of 11 and 6 tokens split mid-way",
+                 ((Prompt(2, 11), Prompt(3, 6)),), new_tokens=12),)),
+    EngineGroup("chain_k3", steps=3, topk=1, draft_tokens=4, scenarios=(
+        Scenario("batch", "three requests of 2, 5 and 9 tokens in one batch",
+                 ((Prompt(4, 2), Prompt(5, 5), Prompt(6, 9)),)),
+        Scenario("radix_hit", "a cold request, then the same prompt again (a full radix hit) and a prompt that "
+                 "extends it (a shared prefix)", ((Prompt(7, 6),), (Prompt(7, 6), Prompt(7, 14)))),
+    )),
+    EngineGroup("chain_k4", steps=4, topk=1, draft_tokens=5, scenarios=(
+        Scenario("chain_k4", "chain of 4 draft steps", _two(8)),)),
+    EngineGroup("chain_k5", steps=5, topk=1, draft_tokens=6, scenarios=(
+        Scenario("chain_k5", "chain of 5 draft steps", _two(10)),)),
+    EngineGroup("tree_k2_s3", steps=3, topk=2, draft_tokens=6, scenarios=(
+        Scenario("tree_k2_s3", "tree of topk 2, 3 steps, 6 draft tokens", _two(12)),)),
+)
+SCENARIOS = {s.id: (g, s) for g in GROUPS for s in g.scenarios}

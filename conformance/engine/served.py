@@ -1,0 +1,99 @@
+"""What the engine's capture recorded (conformance/adapters/sglang/engine_shims.py), per request and round.
+
+A round is what the reference's `draft_and_verify` calls one round: the draft's step 0 over the
+request's new rows (the prefill's draft extend, in one pass or in chunks, or the draft extend that
+followed the previous verify), its decode passes (steps 1..K-1), the drafted tokens, and what verify
+accepted. SGLang's worker interleaves them across calls: a decode call drafts, verifies, and then
+runs the draft extend that opens the request's next round.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+EXTEND_MODES = ("EXTEND", "DRAFT_EXTEND_V2")
+
+
+@dataclass
+class Pass:
+    """One draft forward pass, cut to one request: per-row stages (one row per token it computed) and
+    per-request stages (the row the worker selected: hidden states and logits of LAST capture)."""
+
+    mode: str
+    positions: torch.Tensor                 # [n]
+    rows: dict[str, torch.Tensor]           # stage -> [n, ...]
+    selected: dict[str, torch.Tensor]       # stage -> [1, ...], at positions[-1]
+
+    def trimmed(self, n: int) -> "Pass":
+        """The first n rows (a draft extend after verify computes every verify row; the accepted ones
+        count), the n-th being the one the worker selects."""
+        rows = {k: v[:n] for k, v in self.rows.items()}
+        selected = {k: v[n - 1:n] for k, v in self.rows.items() if k in ("logits", "recurrent_hidden")}
+        return Pass(self.mode, self.positions[:n], rows, {**self.selected, **selected})
+
+
+@dataclass
+class ServedRound:
+    extend: list[Pass]                      # step 0: this round's new rows, in order
+    decode: list[Pass] = field(default_factory=list)   # steps 1..K-1 (topk rows each for a tree)
+    tree: dict[str, torch.Tensor] = field(default_factory=dict)   # draft_tokens, parent_list, top_scores_index
+    accepted: int = -1                      # drafts verify accepted (SGLang's accept_lens - 1)
+
+
+def _cut(meta: dict, tensors: dict[str, torch.Tensor], topk: int) -> dict[str, Pass]:
+    """Split one draft pass into its requests' parts, by the batch's own layout."""
+    mode, rids, B = meta["mode"], meta["rids"], meta["batch_size"]
+    stages = {k[len("stage:"):]: v for k, v in tensors.items() if k.startswith("stage:")}
+    positions = tensors["positions"]
+    N = positions.shape[0]
+    if mode in EXTEND_MODES:
+        lens = tensors["extend_seq_lens"].tolist()
+        starts = torch.tensor([0] + lens).cumsum(0).tolist()
+        spans = [(starts[i], starts[i + 1]) for i in range(B)]
+    else:   # DECODE: topk rows per request (b * topk + r)
+        spans = [(i * topk, (i + 1) * topk) for i in range(B)]
+    parts = {}
+    for i, rid in enumerate(rids):
+        a, b = spans[i]
+        rows, selected = {}, {}
+        for name, value in stages.items():
+            if value.shape[0] == N:
+                rows[name] = value[a:b]
+            elif value.shape[0] == B:
+                selected[name] = value[i:i + 1]
+            else:
+                raise ValueError(f"{mode} pass: stage {name} has {value.shape[0]} rows, neither {N} tokens nor {B} requests")
+        parts[rid] = Pass(mode, positions[a:b], rows, selected)
+    return parts
+
+
+def served_rounds(events: list[tuple[dict, dict]], topk: int) -> dict[str, list[ServedRound]]:
+    """rid -> its rounds, in order (a request's last round ends with its last verify)."""
+    rounds: dict[str, list[ServedRound]] = {}
+    opening: dict[str, list[Pass]] = {}       # step-0 passes of each request's next round
+    after_verify: dict[str, Pass] = {}        # the draft extend of the current decode call
+    current: dict[str, ServedRound] = {}
+    for meta, tensors in events:
+        kind, rids = meta["kind"], meta["rids"]
+        if kind == "draft pass":
+            parts = _cut(meta, tensors, topk)
+            for rid, part in parts.items():
+                if part.mode == "EXTEND":
+                    opening.setdefault(rid, []).append(part)
+                elif part.mode == "DRAFT_EXTEND_V2":
+                    after_verify[rid] = part
+                else:
+                    current.setdefault(rid, ServedRound(opening.get(rid, []))).decode.append(part)
+        elif kind == "tree":
+            for i, rid in enumerate(rids):
+                current.setdefault(rid, ServedRound(opening.get(rid, []))).tree = {
+                    k: v[i] for k, v in tensors.items()}
+        elif kind == "round" and meta["mode"] != "EXTEND":
+            accept_lens = tensors["accept_lens"].tolist()
+            for i, rid in enumerate(rids):
+                r = current.pop(rid, None) or ServedRound(opening.get(rid, []))
+                r.accepted = accept_lens[i] - 1
+                rounds.setdefault(rid, []).append(r)
+                opening[rid] = [after_verify.pop(rid).trimmed(accept_lens[i])] if rid in after_verify else []
+    return rounds

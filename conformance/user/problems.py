@@ -1,0 +1,130 @@
+"""What a user check found, as verdict Problems: the registry's reason and the fix when an entry names
+it, the implementation's own words and file:line when none does.
+
+FIXES holds the fix per registry entry (the config key or server flag to change, or that SGLang cannot
+serve the knob), keyed by entry id, until the registry carries a `fix` field itself; the templates
+take the draft's knobs by name.
+"""
+from __future__ import annotations
+
+import re
+
+from conformance.core import matching, registry
+from conformance.core.compare import MISSING, Comparison
+from conformance.core.tolerances import dtype_name
+from conformance.user.verdict import FORWARD, LOADING, Problem
+from reference.eagle3 import Eagle3Config
+
+RETRAIN = "SGLang cannot serve this knob; retrain without it"
+FIXES = {
+    "sglang-fc-skipped-when-widths-coincide":
+        f"{RETRAIN}: SGLang skips fc whenever num_aux_hidden_states * target_hidden_size == hidden_size "
+        "({num_aux_hidden_states} * {target_hidden_size} == {hidden_size}); retrain with another hidden_size",
+    "sglang-fc-input-norm-skipped-when-widths-coincide":
+        f"{RETRAIN}: SGLang skips fc and its norms whenever num_aux_hidden_states * target_hidden_size == "
+        "hidden_size ({num_aux_hidden_states} * {target_hidden_size} == {hidden_size}); retrain with another hidden_size",
+    "sglang-residual-never-normed":
+        f"{RETRAIN}: norm_before_residual false (speculators' training default is true: "
+        "train/config/schema.py:145, pass --norm-before-residual false)",
+    "sglang-qkv-bias-dropped": f"{RETRAIN}: attention_bias false",
+    "sglang-qkv-bias-dropped-at-load": f"{RETRAIN}: attention_bias false",
+    "sglang-mlp-bias-dropped": f"{RETRAIN}: mlp_bias false",
+    "sglang-mlp-bias-dropped-at-load": f"{RETRAIN}: mlp_bias false",
+    "sglang-config-window-ignored":
+        f"{RETRAIN}: sliding_window unset (the server flag --speculative-draft-window-size {{window_flag}} "
+        "matches training at draft step 0 only: the window then slides with the chain)",
+    "sglang-window-flag-is-exclusive":
+        f"--speculative-draft-window-size {{window_flag}}, not {{sliding_window}} (SGLang's window holds W + 1 keys); "
+        f"later draft steps still differ, so to be served as trained: {RETRAIN} (sliding_window unset)",
+    "sglang-window-slides-with-the-chain": f"{RETRAIN}: sliding_window unset",
+    "sglang-hidden-norm-on-later-layers": f"{RETRAIN}: num_hidden_layers 1",
+    "sglang-hidden-norm-of-later-layers-never-loaded": f"{RETRAIN}: num_hidden_layers 1",
+    "speculators-fc-ignores-target-hidden-size":
+        "speculators 0.9.0 cannot load a draft with target_hidden_size {target_hidden_size} != hidden_size "
+        "{hidden_size}; it cannot have trained this draft as written (state the trainer with --trainer)",
+    "speculators-never-ties-lm-head":
+        "tie_word_embeddings false, with lm_head.weight stored (a copy of embed_tokens.weight): "
+        "speculators 0.9.0 never ties",
+}
+UNKNOWN_FIX = "none known: not a registered divergence; report it with report.json"
+# Where each loader leaves a checkpoint tensor with no parameter, without a word.
+SILENT_DROP = {"sglang": "load_weights loads a tensor only `if param_name in params_dict` "
+                         "(sglang/srt/models/llama_eagle3.py:363, 373) and skips the rest without a word",
+               "reference": "the reference's forward never reads it (reference/eagle3.py)"}
+
+
+def fix_for(entry: registry.Known, cfg: Eagle3Config) -> str:
+    text = getattr(entry, "fix", None) or FIXES.get(entry.id)
+    if not text:
+        return UNKNOWN_FIX
+    window = cfg.sliding_window
+    return text.format(**vars(cfg), window_flag=window - 1 if window else "W-1")
+
+
+def _version(impl: str) -> str:
+    return f"{impl} {registry.installed_version(impl) or ''}".strip()
+
+
+def forward_problem(impl: str, cfg: Eagle3Config, known, comparison: Comparison, steps: int) -> Problem | None:
+    """The first divergence of one comparison (None when it conforms)."""
+    first = comparison.first_divergence
+    if first is None:
+        return None
+    run = f"{dtype_name(comparison.dtype)}/{steps}-step"
+    if first.verdict == MISSING:
+        evidence = f"{impl} did not produce stage `{first.stage}` ({run}). {first.detail}".strip()
+    elif first.max_abs is None:
+        evidence = f"{first.detail} ({run})"
+    else:
+        evidence = (f"max abs error {first.max_abs:.3e} at {first.abs_index}, max rel {first.max_rel:.3e}; "
+                    f"{first.mismatched}/{first.numel} elements out of tolerance "
+                    f"(atol {first.tol.atol:g}, rtol {first.tol.rtol:g}; {run})")
+    entry = matching.match_forward(known, first, cfg.num_hidden_layers)
+    where = f"draft step {first.step}, stage `{first.stage}`"
+    what = f"{_version(impl)} departs from training semantics at {where}"
+    if entry is None:
+        return Problem(what, where, evidence, "not a registered divergence: the stage named is where it starts",
+                       UNKNOWN_FIX, FORWARD, key=f"{impl}:forward:{first.step}:{first.stage}", impl=impl, seen=run)
+    return Problem(f"{what} ({entry.id})", where, evidence, entry.reason, fix_for(entry, cfg), FORWARD,
+                   key=entry.id, known=entry.id, impl=impl, seen=run)
+
+
+def load_problem(impl: str, cfg: Eagle3Config, known, message: str) -> Problem:
+    """The implementation's loader refused the draft (message: one line, the loader's own words)."""
+    m = re.search(r"(\w+(?:Error|Exception)): (.*)$", message)
+    error, text = (m.group(1), m.group(2)) if m else (None, message)
+    entry = matching.match_load(known, error, text)
+    what = f"{_version(impl)} cannot load this draft"
+    if entry is None:
+        return Problem(what, "load", message, "the loader's own error, quoted as evidence", UNKNOWN_FIX, LOADING,
+                       key=f"{impl}:load", impl=impl)
+    return Problem(f"{what} ({entry.id})", "load", message, entry.reason, fix_for(entry, cfg), LOADING,
+                   key=entry.id, known=entry.id, impl=impl)
+
+
+def accounting_problems(impl: str, cfg: Eagle3Config, known, acct) -> list[Problem]:
+    """One problem per registry entry that explains some of the accounting, one for the rest."""
+    found = matching.accounting_problems(acct)
+    if not found:
+        return []
+    landed = f"{len(acct.landed)}/{acct.tensors} tensors landed"
+    refused = [what for problem, what in found if problem == "refused"]
+    if refused:
+        return [load_problem(impl, cfg, known, refused[0])]
+    used, unexplained = matching.match_accounting(known, found)
+    out = []
+    for entry in used:
+        tensors = [what for problem, what in found if problem == entry.problem
+                   and any(re.fullmatch(t, what) for t in entry.tensors)]
+        out.append(Problem(f"{_version(impl)} does not load the checkpoint as written ({entry.id})",
+                           f"{entry.problem}: {', '.join(tensors)}", landed, entry.reason, fix_for(entry, cfg),
+                           LOADING, key=entry.id, known=entry.id, impl=impl))
+    if unexplained:
+        dropped = [u.split(": ", 1)[1] for u in unexplained if u.startswith("dropped silently")]
+        cause = SILENT_DROP.get(impl, "the loader's own behaviour") if dropped else \
+            "not a registered divergence: the accounting names the parameters"
+        fix = (f"{RETRAIN} ({', '.join(dropped)}); or delete the tensor if training did not use it" if dropped
+               else UNKNOWN_FIX)
+        out.append(Problem(f"{_version(impl)} does not load the checkpoint as written", "; ".join(unexplained),
+                           landed, cause, fix, LOADING, key=f"{impl}:accounting", impl=impl))
+    return out

@@ -1,0 +1,102 @@
+"""Can SGLang read the user's directory as written, and does the conversion that makes it servable keep
+the draft?
+
+SGLang reads a draft's config.json with its own `get_config` (transformers' AutoConfig behind it) and
+builds the class named by `architectures[0]`. A speculators-format config.json has no `model_type`,
+so SGLang 0.5.23 refuses it; the original EAGLE-3 export names `LlamaForCausalLM`, a target class.
+Such a directory is the verdict's first problem; its fix is this suite's converter, whose output
+the rest of the run judges, and whose output is checked here: every tensor bit-exact, the aux ids
+SGLang will capture, the norms and the vocabulary SGLang builds.
+"""
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import torch
+
+from conformance.checkpoints.knobs import CONFIG_FILE
+from conformance.checkpoints.weights import read_weights
+from conformance.core.common import first_line
+from conformance.user.verdict import CONVERSION, DIRECTORY, Problem
+
+DRAFT_CLASS = "LlamaForCausalLMEagle3"    # the class SGLang serves an EAGLE-3 Llama draft with
+CONVERT = "python -m conformance.user.convert"
+# What the conversion must keep, as the loaded models report it (conformance/loading/accounting.py knobs).
+KEPT_KNOBS = ("aux states x width", "norm_before_fc", "fc_norm", "norm_output", "vocab / draft vocab")
+
+
+def sglang_config(path: Path):
+    """SGLang's own config reader, minus its per-process cache (keyed by path only)."""
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    return get_config.__wrapped__(str(path), trust_remote_code=False)
+
+
+def _site(filename: str, line: int) -> str:
+    cut = filename.rfind("site-packages/")
+    return f"{filename[cut + len('site-packages/'):] if cut >= 0 else Path(filename).name}:{line}"
+
+
+def raise_site(exc: BaseException) -> str:
+    """Where SGLang handed over and where it was raised: file:line in the installed packages."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if "/sglang/" in f.filename]
+    last = frames[-1] if frames else None
+    parts = [_site(f.filename, f.lineno) for f in (ours[-1] if ours else None, last) if f is not None]
+    return " -> ".join(dict.fromkeys(parts)) or type(exc).__name__
+
+
+def directory_problem(path: Path, fmt: str, shown: str) -> Problem | None:
+    """None when SGLang reads `path` as an EAGLE-3 Llama draft; else why not, with the conversion."""
+    from sglang.srt.utils.hf_transformers.mistral_utils import is_mistral_model
+
+    fix = (f"convert it: {CONVERT} {shown} {shown}-sglang (architectures {DRAFT_CLASS}, aux ids in SGLang's "
+           "eagle_config convention, every tensor unchanged); the rest of this verdict judges that conversion")
+    what, where = "SGLang cannot read this directory as written", f"{CONFIG_FILE} ({fmt} format)"
+    try:
+        config = sglang_config(path)
+    except Exception as exc:   # SGLang's own reader: its words and where it raised
+        evidence = f"{type(exc).__name__}: {first_line(exc)}".replace(str(path), shown)
+        if is_mistral_model(path):
+            fix = ("rename the directory: SGLang reads any path containing both 'eagle' and 'mistral' as a "
+                   "Mistral params.json checkpoint (sglang/srt/utils/hf_transformers/mistral_utils.py:361-362)")
+        return Problem(what, where, evidence, raise_site(exc), fix, DIRECTORY, key="directory")
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs or archs[0] != DRAFT_CLASS:
+        return Problem(f"SGLang would not build an EAGLE-3 draft from this directory", where,
+                       f"architectures {archs}: SGLang builds {archs[0] if archs else 'nothing'}, not {DRAFT_CLASS}",
+                       "SGLang builds the class named by architectures[0] (sglang/srt/models/registry.py:93-104, "
+                       "model_loader/utils.py:198-232)", fix, DIRECTORY, key="directory")
+    return None
+
+
+def conversion_findings(source: Path, served: Path, trainer, accounts: dict) -> list[str]:
+    """What the conversion did not keep: tensors, the aux ids SGLang reads, the knobs SGLang builds."""
+    out = []
+    before, after = read_weights(source), read_weights(served)
+    for name, tensor in sorted(before.items()):
+        if name not in after:
+            out.append(f"tensor {name}: missing from the conversion")
+        elif after[name].dtype != tensor.dtype or not torch.equal(after[name], tensor):
+            out.append(f"tensor {name}: not bit-exact after the conversion")
+    trained = trainer.training_ids()   # None: no ids stored, every trainer's default list applies
+    expected = None if trained is None else [i - 1 for i in trained]
+    eagle = getattr(sglang_config(served), "eagle_config", None) or {}
+    got = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if got != expected:
+        out.append(f"aux ids: SGLang reads eagle_config ids {got} (output of layer i, spec_aux_hidden_state.py:185-196); "
+                   f"training used inputs of layers {list(trained) if trained else 'the default'}, so {expected}")
+    ref, sgl = accounts["reference"].knobs, accounts["sglang"].knobs
+    out += [f"{knob}: SGLang builds {sgl.get(knob)}, training has {ref.get(knob)}"
+            for knob in KEPT_KNOBS if str(ref.get(knob)) != str(sgl.get(knob))]
+    return out
+
+
+def conversion_problem(findings: list[str], fmt: str) -> Problem | None:
+    if not findings:
+        return None
+    return Problem(f"the conversion from the {fmt} format does not keep the draft", "; ".join(findings),
+                   f"{len(findings)} difference(s) between the directory and its conversion",
+                   "this suite's converter (conformance/checkpoints/formats.py: write_draft)",
+                   "report it: the conversion must keep every tensor, id and norm", CONVERSION, key="conversion")

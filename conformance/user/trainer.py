@@ -1,0 +1,100 @@
+"""Who trained the user's draft, and so which target layers its aux slots were trained on.
+
+A draft's aux-layer ids mean different layers to different trainers (eagle3-semantics.md §2.1):
+speculators and the original EAGLE-3 count "input of layer i" (0 = the embeddings), SpecForge and
+SGLang's `eagle_config` count "output of layer i". The checkpoint says who trained it when its format
+does (speculators' config.json, the original EAGLE-3 export, SpecForge's midlayer names); a flat
+SGLang-format draft does not, and `--trainer` states it. The ids here are always in the training
+convention (input of layer i), as reference.eagle3.Eagle3Config holds them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conformance.checkpoints.directory import DraftCheckpoint
+from conformance.checkpoints.errors import load_json
+from conformance.checkpoints.knobs import CONFIG_FILE
+
+TRAINERS = ("speculators", "specforge", "eagle3")
+CHOICES = ("auto", *TRAINERS)
+
+# What each trainer's ids mean and its default list for an N-layer target, in the training convention.
+MEANING = {
+    "speculators": "input of layer i, 0 = embeddings (speculators models/utils.py:110-116)",
+    "specforge": "output of layer i (SpecForge algorithms/model_providers.py:188-211)",
+    "eagle3": "input of layers {2, N//2, N-3}, hard-coded (EAGLE modeling_llama_kv.py:1139-1140)",
+    None: "SGLang's eagle_config convention, output of layer i (spec_aux_hidden_state.py:185-196)",
+}
+DETECTED_FROM = {
+    "speculators": f"{CONFIG_FILE}: speculators_model_type",
+    "eagle3": f"{CONFIG_FILE}: architectures LlamaForCausalLM with draft_vocab_size (the original EAGLE-3 export)",
+    "specforge": "tensor names midlayer.* without SGLang's legacy use_aux_norm (SpecForge's export)",
+}
+FORMAT_TRAINER = {"speculators": "speculators", "eagle": "eagle3", "specforge": "specforge"}
+
+
+def default_ids(num_layers: int) -> tuple[int, ...]:
+    """Every trainer's default: inputs of layers 2, N//2, N-3 (SpecForge's outputs 1, N//2-1, N-4)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass(frozen=True)
+class Trainer:
+    name: str | None          # None: the checkpoint does not say and --trainer was not given
+    source: str               # how we know
+    stored_ids: tuple[int, ...] | None   # the ids as written in config.json
+    stored_where: str                    # which key they were read from
+    parsed_ids: tuple[int, ...] | None   # the ids as this suite's format reader converted them
+
+    @property
+    def meaning(self) -> str:
+        return MEANING[self.name]
+
+    def training_ids(self, num_layers: int | None = None) -> tuple[int, ...] | None:
+        """The target layers training read (input of layer i); None when that needs the target's
+        layer count and it is not known."""
+        if self.name == "eagle3":
+            return default_ids(num_layers) if num_layers else None
+        if self.stored_ids is None:
+            return default_ids(num_layers) if num_layers else None
+        if self.name == "speculators":     # its ids are input-of-layer wherever they were written
+            return self.stored_ids
+        if self.name == "specforge":       # its ids are output-of-layer wherever they were written
+            return tuple(i + 1 for i in self.stored_ids)
+        return self.parsed_ids
+
+    def describe(self, num_layers: int | None = None) -> str:
+        who = self.name or "not stated"
+        ids = self.training_ids(num_layers)
+        where = f"{self.stored_where} {list(self.stored_ids)}" if self.stored_ids is not None else "no ids stored"
+        trained = f"trained on inputs of layers {list(ids)}" if ids is not None else \
+            "trained on the trainer's default layers of the target (needs --target-config)"
+        return f"{who} ({self.source}); {where}, read as {self.meaning}: {trained}"
+
+
+def _stored_ids(raw: dict) -> tuple[tuple[int, ...] | None, str]:
+    eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    for ids, where in ((eagle.get("eagle_aux_hidden_state_layer_ids"), "eagle_config.eagle_aux_hidden_state_layer_ids"),
+                       (raw.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids")):
+        if isinstance(ids, list) and ids:
+            return tuple(ids), where
+    return None, ""
+
+
+def resolve_trainer(ckpt: DraftCheckpoint, option: str | None = "auto") -> Trainer:
+    """--trainer when given, else what the checkpoint's format says (or nothing, for SGLang's format)."""
+    raw = load_json(ckpt.path / CONFIG_FILE)
+    if ckpt.format == "speculators":   # speculators keeps its ids at the top level only
+        ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        stored, where = (tuple(ids), "eagle_aux_hidden_state_layer_ids") if ids else (None, "")
+    else:
+        stored, where = _stored_ids(raw)
+    parsed = ckpt.config.aux_layer_ids
+    if option and option != "auto":
+        name, source = option, "stated by --trainer"
+    elif ckpt.format in FORMAT_TRAINER:
+        name = FORMAT_TRAINER[ckpt.format]
+        source = f"detected: {DETECTED_FROM[name]}"
+    else:
+        name, source = None, f"{ckpt.format} format does not say; state it with --trainer"
+    return Trainer(name, source, stored, where, tuple(parsed) if parsed else None)

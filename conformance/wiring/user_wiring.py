@@ -1,0 +1,330 @@
+"""Wiring on the user's own files: which target layers SGLang feeds the user's draft, on a tiny twin of
+the user's target, against the layers the draft's trainer captured; slot by slot, as verdict problems.
+
+Entry points (the verdict's user checks call them):
+
+    check_user_wiring(draft_dir, target_config, trainer, root) -> UserWiring
+        `draft_dir`: the draft directory as SGLang reads it (the converted copy when SGLang cannot read
+        the user's own); `trainer`: conformance.user.trainer.Trainer (which layers training read).
+        UserWiring.problems: verdict Problems (rank WIRING), empty when every slot holds the layer
+        training used; .lines(): both layer lists and each slot; .rows(): report rows.
+    check_hidden_states(dump_dir, target_config, wiring) -> list[Problem]
+        --hidden-states against the target config: the dump's width and its number of layers.
+    servable_ids(target_config, boundaries, root) -> tuple[int, ...] | None
+        the eagle_config ids with which SGLang's class for this target captures `boundaries`.
+
+SGLang's side is SGLang's own code: the draft config read by resolve_spec_aux_hidden_state_config, the
+ids handed over by configure_aux_hidden_state_capture to the class ModelRegistry picks for the
+target's architectures, and that class's forward capturing the aux tensor (fixtures/target_twin.py).
+The training side is the same weights in transformers (HF hidden_states[b]: the input of layer b, 0 =
+the embeddings, N = the last layer's output before the final norm), as every trainer captures them.
+A chunk is named by the boundary it equals within the fp32 hidden tolerance, whose noise floor is the
+transformers twin's own fp32-vs-fp64 difference at that boundary (conformance/core/tolerances.py).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from conformance.adapters.sglang.target import (
+    AuxIds, CaptureFailed, DraftConfigRefused, SGLangTarget, build_target, load_target, sglang_aux_layer_ids,
+)
+from conformance.checkpoints.errors import CheckpointError
+from conformance.core.compare import OK, StageResult, compare_tensors
+from conformance.user.trainer import Trainer
+from conformance.user.verdict import WIRING, Problem
+from conformance.wiring.wiring import AUX_STAGE, describe_read
+from fixtures.target_twin import TargetTwin, TwinUnsupported, target_twin
+from fixtures.targets import make_hf_target, make_target_input, write_target_config
+
+SEED = 0
+
+
+# ---------------------------------------------------------------- file:line in the pinned packages
+
+def package_path(path: str | Path) -> str:
+    """`sglang/srt/models/llama.py`: a source path from the package root on (no paths of this machine)."""
+    parts = Path(path).parts
+    for root in ("sglang", "speculators", "transformers"):
+        if root in parts:
+            return "/".join(parts[len(parts) - parts[::-1].index(root) - 1:])
+    return Path(path).name
+
+
+def source_ref(obj) -> str:
+    """`file:first-last` of a function or class in the installed package (read, not hard-coded)."""
+    obj = inspect.unwrap(obj)
+    lines, start = inspect.getsourcelines(obj)
+    return f"{package_path(inspect.getsourcefile(obj))}:{start}-{start + len(lines) - 1}"
+
+
+def source_line(module: str, needle: str) -> str:
+    """`file:line` of the first line of `module`'s source that contains `needle` (the file alone if none)."""
+    import importlib.util
+
+    path = Path(importlib.util.find_spec(module).origin)
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if needle in line:
+            return f"{package_path(path)}:{n}"
+    return package_path(path)
+
+
+def boundary_name(b: int, n: int) -> str:
+    return "embed" if b == 0 else "final" if b == n else str(b)
+
+
+def layer_list(boundaries, n: int) -> str:
+    return "[" + ", ".join(b if isinstance(b, str) else boundary_name(b, n) for b in boundaries) + "]"
+
+
+# ---------------------------------------------------------------- the twin, both sides
+
+@dataclass
+class TwinRun:
+    twin: TargetTwin
+    input_ids: torch.Tensor
+    states: list[torch.Tensor]       # transformers fp32, boundaries 0..N, each [T, Ht]
+    precise: list[torch.Tensor]      # the same in fp64: the noise floor
+    sglang: SGLangTarget
+
+    def capture(self, ids: AuxIds) -> tuple[tuple[int, ...], torch.Tensor | None]:
+        """(layers_to_capture, SGLang's aux tensor or None when its forward cannot run here)."""
+        self.sglang.set_capture(ids)
+        layers = tuple(self.sglang.layers_to_capture)
+        return layers, (None if self.twin.no_forward else self.sglang.run(self.input_ids)[0])
+
+
+_RUNS: dict[tuple[str, str], TwinRun] = {}
+
+
+def build_twin(twin: TargetTwin, root: Path) -> TwinRun:
+    """transformers' and SGLang's twin with the same seeded weights, read from one checkpoint written in
+    the published layout (transformers' save_pretrained: per-expert MoE tensors, as SGLang loads them)."""
+    key = (twin.id, twin.config_text)
+    if key in _RUNS:
+        return _RUNS[key]
+    ids = make_target_input(torch.Generator().manual_seed(SEED + 1))
+    config_dir = write_target_config(twin, root / twin.id)
+    if twin.no_forward:   # SGLang's forward cannot run here: its class alone, what it asks to capture
+        _RUNS[key] = TwinRun(twin, ids, [], [], build_target(twin, config_dir))
+        return _RUNS[key]
+    hf, _ = make_hf_target(twin, torch.Generator().manual_seed(SEED))
+    if hasattr(hf.config, "_experts_implementation"):
+        # transformers' grouped-mm experts have no fp64 kernel; its eager loop computes the same in any dtype.
+        hf.set_experts_implementation("eager")
+    states = []
+    for model in (hf, copy.deepcopy(hf).double()):
+        with torch.no_grad():
+            out = model(ids[None], output_hidden_states=True)
+        states.append([h[0].detach().clone() for h in out.hidden_states])
+    hf.save_pretrained(root / twin.id / "hf")
+    weights = {}
+    for path in sorted((root / twin.id / "hf").glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    sglang = load_target(twin, config_dir, weights)
+    _RUNS[key] = TwinRun(twin, ids, states[0], states[1], sglang)
+    return _RUNS[key]
+
+
+def name_chunk(run: TwinRun, chunk: torch.Tensor) -> tuple[str, StageResult]:
+    """The boundary whose transformers state `chunk` equals within tolerance ('?' and the nearest if none)."""
+    n = run.twin.num_layers
+    results = [compare_tensors(0, AUX_STAGE, chunk, s, torch.float32, precise=p)
+               for s, p in zip(run.states, run.precise)]
+    for b, r in enumerate(results):
+        if r.verdict == OK:
+            return boundary_name(b, n), r
+    nearest = min(range(len(results)), key=lambda b: results[b].max_abs)
+    return "?", results[nearest]
+
+
+def served_boundaries(run: TwinRun, layers: tuple[int, ...], aux: torch.Tensor | None) -> tuple[str, ...]:
+    """Per served slot, the boundary it holds: named from the aux tensor, or for a class whose forward
+    cannot run here read off layers_to_capture (the boundaries its decoder loop visits, in layer order)."""
+    n = run.twin.num_layers
+    if aux is None:
+        return tuple(boundary_name(b, n) for b in sorted({b for b in layers if 0 <= b <= n}))
+    width = run.states[0].shape[-1]
+    return tuple(name_chunk(run, c)[0] for c in aux.split(width, dim=-1))
+
+
+# ---------------------------------------------------------------- the comparison and its problems
+
+@dataclass
+class UserWiring:
+    target: str                           # the twin's source, readable
+    trained: str                          # how training captured, readable (Trainer.describe)
+    num_layers: int = 0
+    training: tuple[int, ...] = ()        # boundaries training fed each slot
+    read: str = ""                        # what SGLang read from the draft config
+    layers_to_capture: tuple[int, ...] | None = None
+    serving: tuple[str, ...] | None = None   # per served slot, the boundary it holds
+    slots: list[tuple[int, str | None, str | None, StageResult | None]] = field(default_factory=list)
+    error: str = ""
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def lists(self) -> str:
+        n = self.num_layers
+        serving = "(none)" if self.serving is None else layer_list(self.serving, n)
+        return f"training: {layer_list(self.training, n)}  serving: {serving}"
+
+    def lines(self) -> list[str]:
+        out = [self.lists(), f"target: {self.target}", f"trained: {self.trained}",
+               f"SGLang read {self.read or 'nothing'}; layers_to_capture "
+               f"{'-' if self.layers_to_capture is None else list(self.layers_to_capture)}"]
+        out += [self.error] if self.error else []
+        for slot, t, s, r in self.slots:
+            where = "" if r is None or r.max_abs is None else f"  max abs {r.max_abs:.3e} at {r.abs_index}"
+            out.append(f"slot {slot}: training {t or '(none)'}, serving {s or '(none)'}  "
+                       f"{'ok' if t == s else '<- differs'}{where}")
+        return out
+
+    def rows(self) -> list[dict]:
+        return [{"Case": "user wiring", "training captured": layer_list(self.training, self.num_layers),
+                 "SGLang read": self.read or "-", "layers_to_capture": str(list(self.layers_to_capture or ())),
+                 "SGLang captured": "-" if self.serving is None else layer_list(self.serving, self.num_layers),
+                 "outcome": "pass" if self.ok else f"FAIL: {len(self.problems)} problem(s)"}]
+
+
+def _capture_cause(run: TwinRun) -> str:
+    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
+        resolve_spec_aux_hidden_state_config,
+    )
+
+    cls = type(run.sglang.model)
+    return (f"SGLang reads the ids with resolve_spec_aux_hidden_state_config ({source_ref(resolve_spec_aux_hidden_state_config)}) "
+            f"and {cls.__name__}.set_eagle3_layers_to_capture ({source_ref(cls.set_eagle3_layers_to_capture)}) "
+            "turns them into layers_to_capture; the decoder captures the input of each listed layer")
+
+
+def find_ids(run: TwinRun, training: tuple[int, ...]) -> tuple[int, ...] | None:
+    """eagle_config ids with which SGLang's class captures exactly `training`, tried on the twin (the class's
+    own rule, verified by its forward): the output-of-layer ids (b - 1), then the boundaries themselves."""
+    n = run.twin.num_layers
+    want = tuple(boundary_name(b, n) for b in training)
+    for ids in dict.fromkeys((tuple(b - 1 for b in training), tuple(training))):
+        try:
+            layers, aux = run.capture(AuxIds(True, ids))
+        except CaptureFailed:
+            continue
+        if served_boundaries(run, layers, aux) == want:
+            return ids
+    return None
+
+
+def servable_ids(target_config: Path, boundaries: tuple[int, ...], root: Path) -> tuple[int, ...] | None:
+    return find_ids(build_twin(target_twin(Path(target_config)), Path(root)), tuple(boundaries))
+
+
+def _fix(run: TwinRun, training: tuple[int, ...], use_aux: bool) -> str:
+    n = run.twin.num_layers
+    ids = find_ids(run, training)
+    cls = type(run.sglang.model).__name__
+    if ids is None:
+        return (f"SGLang's {cls} cannot capture {layer_list(training, n)} with any eagle_config ids tried; "
+                "retrain on layers it can capture (e.g. its default list) and write those ids")
+    flag = "" if use_aux else ' and "use_aux_hidden_state": true'
+    return (f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {list(ids)}{flag}}} in the draft\'s '
+            f"config.json (verified: SGLang's {cls} then captures {layer_list(training, n)} on the twin)")
+
+
+def check_user_wiring(draft_dir: Path, target_config: Path, trainer: Trainer, root: Path) -> UserWiring:
+    """SGLang's capture for this draft on a twin of this target against training's, slot by slot.
+    CheckpointError (bad input) when the target config is unreadable."""
+    try:
+        twin = target_twin(Path(target_config))
+    except TwinUnsupported as exc:
+        out = UserWiring(Path(target_config).name, trainer.describe())
+        out.problems.append(Problem(
+            "the aux wiring cannot be checked on this target", "target model", str(exc), str(exc),
+            "none here: check which layers SGLang captures for this draft by hand", WIRING, key="wiring:no-twin"))
+        return out
+    n = twin.num_layers
+    training = trainer.training_ids(n)
+    out = UserWiring(twin.source, trainer.describe(n), n, tuple(training))
+    bad = [b for b in training if not 0 <= b <= n]
+    if bad:
+        out.problems.append(Problem(
+            "the draft was trained on layers this target does not have", "aux layers",
+            f"training ids {list(training)} (input of layer i), target has boundaries 0..{n}", trainer.describe(n),
+            "check --target-config is the draft's target, or state the trainer (--trainer)", WIRING,
+            key="wiring:layers-out-of-range"))
+        return out
+    run = build_twin(twin, Path(root))
+    try:
+        aux_ids = sglang_aux_layer_ids(Path(draft_dir), Path(draft_dir).parent)
+    except DraftConfigRefused as exc:
+        out.error = f"SGLang refused the draft config: {exc}"
+        out.problems.append(Problem("SGLang cannot read the draft's config.json", "config.json", str(exc),
+                                    source_line("sglang.srt.model_executor.model_runner_components."
+                                                "spec_aux_hidden_state", "AutoConfig"),
+                                    "convert the draft to SGLang's format", WIRING, key="wiring:config-refused"))
+        return out
+    out.read = describe_read(aux_ids)
+    try:
+        out.layers_to_capture, aux = run.capture(aux_ids)
+    except CaptureFailed as exc:
+        out.layers_to_capture = tuple(run.sglang.layers_to_capture)
+        out.error = f"SGLang's target forward failed while capturing: {exc}"
+        aux = None
+        out.serving = ()
+    else:
+        out.serving = served_boundaries(run, out.layers_to_capture, aux)
+    chunks = [] if aux is None else list(aux.split(run.states[0].shape[-1], dim=-1))
+    for j in range(max(len(out.serving), len(training))):
+        t = boundary_name(training[j], n) if j < len(training) else None
+        s = out.serving[j] if j < len(out.serving) else None
+        r = compare_tensors(0, AUX_STAGE, chunks[j], run.states[training[j]], torch.float32,
+                            precise=run.precise[training[j]]) if j < len(chunks) and t is not None else None
+        out.slots.append((j, t, s, r))
+    if out.error or any(t != s for _, t, s, _ in out.slots):
+        differs = [f"slot {j}: training {t or '(none)'}, serving {s or '(none)'}" for j, t, s, _ in out.slots if t != s]
+        out.problems.append(Problem(
+            f"SGLang feeds the draft other target layers than it was trained on ({out.lists()})",
+            "aux slots (the draft's input aux_in): " + "; ".join(differs),
+            "; ".join(out.lines()[3:]), _capture_cause(run), _fix(run, training, aux_ids.use_aux), WIRING,
+            key="wiring:aux-layers"))
+    return out
+
+
+def check_hidden_states(dump_dir: Path, target_config: Path, wiring: UserWiring) -> list[Problem]:
+    """The dump's hidden_states [L, A+1, Ht] (speculators' datagen layout) against the target config: Ht is
+    the target's hidden_size, and A the number of aux slots SGLang feeds the draft on this target."""
+    from conformance.checkpoints.targets import read_target_config
+
+    hidden = read_target_config(Path(target_config))["hidden_size"]
+    slots = len(wiring.serving) if wiring.serving else len(wiring.training)
+    files = sorted(Path(dump_dir).glob("hs_*.safetensors"), key=lambda p: p.stem)
+    cause = "speculators' datagen writes [seq_len, aux layers + the last, target hidden] (speculators train/data.py)"
+    out = []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                shape = tuple(f.get_slice("hidden_states").get_shape())
+        except Exception as exc:   # safetensors' own words; an unreadable dump is bad input
+            raise CheckpointError(path, "tensor hidden_states", f"cannot be read ({exc})") from None
+        if len(shape) != 3:
+            raise CheckpointError(path, "tensor hidden_states", f"shape {shape}, expected [seq_len, layers, hidden]")
+        if shape[2] != hidden:
+            out.append(Problem("the hidden-state dump is not from this target (width)", f"{path.name}: hidden_states",
+                               f"width {shape[2]}, target hidden_size {hidden} ({Path(target_config).name})", cause,
+                               "regenerate the dump from the draft's target, or pass that target's config",
+                               WIRING, key="wiring:dump-width"))
+        if shape[1] != slots + 1:
+            out.append(Problem("the hidden-state dump has another number of layers than SGLang feeds",
+                               f"{path.name}: hidden_states", f"{shape[1]} layers = {shape[1] - 1} aux + the last; "
+                               f"SGLang feeds {slots} aux slots on this target ({wiring.lists()})", cause,
+                               "regenerate the dump with the draft's aux layers", WIRING, key="wiring:dump-layers"))
+        if out:
+            break   # one file shows it; the rest come from the same run
+    return out
