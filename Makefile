@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 REPORT ?= report
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv lint conformance test support-matrix clean-venv bench bench-baseline bench-compare
+.PHONY: venv lint conformance check test support-matrix clean-venv bench bench-baseline bench-compare
 
 # sglang's and speculators' declared dependency trees are CUDA-only (flashinfer, sgl-kernel, ...),
 # so everything is installed from one fully pinned lock file with --no-deps: exactly these versions,
@@ -21,13 +21,24 @@ venv: $(VENV)/.installed
 conformance: venv
 	$(PYTEST) -m "cpu and not meta" --report $(REPORT)
 
+# Your draft, one verdict (README "Bring your own draft"): only the checks on your files, the verdict at the
+# end and at the top of $(REPORT)/report.md. pytest exits 0 served as trained, 1 not, 4 bad input (make
+# itself exits 2 whenever pytest does not exit 0). Optional: DATA (JSONL samples), HIDDEN (their hidden
+# states), TARGET (the target's config.json), SGLANG_ARGS (the server flags), TRAINER (see --trainer).
+check: $(if $(DRAFT),venv)
+	@test -n "$(DRAFT)" || { echo "usage: make check DRAFT=dir [DATA=file] [HIDDEN=dir] [TARGET=config.json]" \
+		"[SGLANG_ARGS=\"...\"] [TRAINER=speculators|specforge|eagle3]" >&2; exit 4; }
+	$(PYTEST) -q --draft-checkpoint="$(DRAFT)" $(if $(DATA),--training-data="$(DATA)") \
+		$(if $(HIDDEN),--hidden-states="$(HIDDEN)") $(if $(TARGET),--target-config="$(TARGET)") \
+		$(if $(SGLANG_ARGS),--sglang-args="$(SGLANG_ARGS)") $(if $(TRAINER),--trainer=$(TRAINER)) --report $(REPORT)
+
 # The linter: ruff, configured in pyproject.toml.
 lint: venv
 	$(VENV)/bin/ruff check .
 
-# The linter, the harness self-tests and the CPU conformance lane.
+# The linter, the harness self-tests, the CPU conformance lane and the engine lane (SGLang's real Engine).
 test: venv lint
-	$(PYTEST) -m cpu
+	$(PYTEST) -m "cpu or engine"
 
 # Draft throughput (conformance/throughput/test_throughput.py). Figures are stored and compared per machine
 # class under $(BENCH_BASELINES)/<class>/ (`python -m conformance.throughput.throughput` prints this host's), in

@@ -136,7 +136,8 @@ def pytest_configure(config):
     from conformance.user.user_draft import configure_user_inputs
     from conformance.user.verdict import USER_MARK, VerdictPlugin
 
-    config.addinivalue_line("markers", f"{USER_MARK}: a check on the user's own inputs (--draft-checkpoint runs only these)")
+    config.addinivalue_line("markers", f"{USER_MARK}: a check on the user's own inputs "
+                                       "(--draft-checkpoint runs only these)")
     configure_user_inputs(config)
     config.pluginmanager.register(VerdictPlugin(config, _REPORT), "eagle3-verdict")
 

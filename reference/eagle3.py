@@ -73,7 +73,7 @@ class Eagle3Config:
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != self.num_aux_hidden_states:
             raise ValueError("aux_layer_ids must have num_aux_hidden_states entries")
         if self.draft_arch not in DRAFT_ARCHS:
-            raise ValueError(f"draft_arch {self.draft_arch!r} is not implemented (implemented: {', '.join(DRAFT_ARCHS)})")
+            raise ValueError(f"draft_arch {self.draft_arch!r} is not implemented ({', '.join(DRAFT_ARCHS)} are)")
         if self.draft_arch == "qwen3" and self.mlp_bias:
             raise ValueError("a qwen3 draft has no MLP biases (transformers Qwen3MLP: bias=False)")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:

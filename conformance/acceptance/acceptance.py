@@ -6,20 +6,16 @@ as the drafter, verified against the target's argmax (accept length = accepted d
 """
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from conformance.adapters import ADAPTERS, REFERENCE
+from conformance.acceptance.faults import FAULT_REQUESTS, Fault, first_divergence, plant, served_aux_ids
+from conformance.adapters import ADAPTERS
 from conformance.adapters.base import Drafter
 from conformance.adapters.speculators.training import heldout_metrics, speculators_items
-from conformance.core.compare import Comparison, compare_traces
-from conformance.checkpoints import WEIGHTS_FILE
+from conformance.core.compare import Comparison
 from fixtures.trained_draft import GreedyTarget, TrainedDraft, one_thread
 from reference.eagle3 import DraftBatch
 from reference.speculative import AcceptStats, accepted_drafts, predicted_accept_length
@@ -179,98 +175,6 @@ def make_drafter(impl: str, checkpoints: dict[str, Path]) -> Drafter:
     adapter = ADAPTERS[impl]()
     loaded = adapter.load(checkpoints[adapter.checkpoint_format], torch.float32)
     return grouped(loaded.drafter(), adapter.draft_group)
-
-
-# ---------------------------------------------------------------- planted wiring faults
-
-def _fc_passes_first_chunk(w: dict) -> None:
-    H = w["fc.weight"].shape[0]
-    w["fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, w["fc.weight"].shape[1] - H)], dim=1)
-
-
-def _d2t_read_one_off(w: dict) -> None:
-    w["d2t"] = torch.roll(w["d2t"], 1)   # draft id i maps to target id i + d2t[i - 1]
-
-
-def _residual_after_norm(config: dict) -> None:
-    config["norm_before_residual"] = True
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One wiring mistake planted into a copy of the trained draft (or into what the server captures)."""
-
-    id: str
-    summary: str
-    host: str                        # the adapter that serves the faulty draft
-    stage: str                       # the first stage where it must show
-    weights: Callable[[dict], None] | None = None   # edits the checkpoint tensors (both formats)
-    config: Callable[[dict], None] | None = None    # edits the speculators-format config.json
-    served_aux: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None   # trained ids -> captured ids
-
-
-FAULTS: tuple[Fault, ...] = (
-    Fault("aux_layers_shifted", "the served capture list starts at the embedding output, each chunk the one "
-          "before it: (0, 2, 5) for (2, 5, 7), the [embed, layer3, layer31] for [layer3, layer31, layer59] "
-          "class (field-evidence.md §0)", "sglang", "aux_in", served_aux=lambda ids: (0, *ids[:-1])),
-    Fault("fc_skipped", "fc passes the first aux chunk through: layer 0 reads a raw target state, as when "
-          "SGLang skips fc (models/llama_eagle3.py:238)", "sglang", "fc_out", weights=_fc_passes_first_chunk),
-    Fault("residual_after_norm", "layer 0 adds attention to the normed hidden (norm_before_residual set; "
-          "trained without)", "reference", "layers.0.residual", config=_residual_after_norm),
-    Fault("d2t_off_by_one", "d2t read one entry off: each draft id maps to its neighbour's target id + 1",
-          "sglang", "target_ids", weights=_d2t_read_one_off),
-)
-FAULTS_BY_ID = {f.id: f for f in FAULTS}
-FAULT_REQUESTS = 128   # verify rounds per fault (the first ones of the correct run: a paired comparison)
-
-
-def plant(fault: Fault, trained: TrainedDraft, root: Path) -> dict[str, Path]:
-    """Copies of both checkpoint directories with the fault applied; the trained draft is untouched."""
-    out = {}
-    for fmt, src in trained.checkpoints.items():
-        dst = root / fault.id / fmt
-        shutil.copytree(src, dst)
-        if fault.weights:
-            weights = load_file(str(dst / WEIGHTS_FILE))
-            fault.weights(weights)
-            save_file(weights, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
-        if fault.config and fmt == "speculators":
-            raw = json.loads((dst / "config.json").read_text())
-            fault.config(raw)
-            (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        out[fmt] = dst
-    return out
-
-
-def served_aux_ids(trained: TrainedDraft, fault: Fault | None = None) -> tuple[int, ...]:
-    """The target layers the server captures (training convention: input of layer i)."""
-    ids = tuple(trained.config.aux_layer_ids)
-    return fault.served_aux(ids) if fault and fault.served_aux else ids
-
-
-def probe_batch(trained: TrainedDraft, target: GreedyTarget, aux_ids: tuple[int, ...],
-                sequences: int = 3) -> DraftBatch:
-    """The first held-out sequences as one packed batch: rows (aux g_t, token x_{t+1})."""
-    ids = trained.heldout_ids[:sequences]
-    _, aux, _ = target.run(ids, aux_ids)
-    T = ids.shape[1] - 1
-    return DraftBatch(aux=aux[:, :T].reshape(-1, aux.shape[-1]), input_ids=ids[:, 1:].reshape(-1),
-                      positions=torch.arange(T).repeat(ids.shape[0]),
-                      seq_ids=torch.arange(ids.shape[0]).repeat_interleave(T))
-
-
-@one_thread()
-def first_divergence(trained: TrainedDraft, target: GreedyTarget, impl: str, checkpoints: dict[str, Path],
-                     aux_ids: tuple[int, ...], case_id: str) -> Comparison:
-    """compare_traces of `impl` serving `checkpoints` (fed `aux_ids`) against the correctly wired
-    reference run on the same held-out rows: the first stage where they part."""
-    adapter = ADAPTERS[impl]()
-    actual = adapter.load(checkpoints[adapter.checkpoint_format], torch.float32).run(
-        probe_batch(trained, target, aux_ids), 1)
-    reference = ADAPTERS[REFERENCE]()
-    expected = reference.load(trained.checkpoints[reference.checkpoint_format], torch.float32).run(
-        probe_batch(trained, target, served_aux_ids(trained)), 1)
-    return compare_traces(actual, expected, case_id)
 
 
 # ---------------------------------------------------------------- one store per session

@@ -11,8 +11,8 @@ import hashlib
 import pytest
 import torch
 
-from conformance.acceptance.acceptance import (FAULTS, K_MAX, first_divergence, generate, make_drafter, oracle_drafter,
-                                   served_aux_ids, simulate)
+from conformance.acceptance.acceptance import K_MAX, generate, make_drafter, oracle_drafter, simulate
+from conformance.acceptance.faults import FAULTS, first_divergence, served_aux_ids
 from conformance.core.report import Section
 from conformance.core.tolerances import ACCEPT_LENGTH_Z, accept_length_tolerance
 from reference.speculative import AcceptStats

@@ -90,13 +90,15 @@ def read_dump(directory: Path, samples: list[Sample], cfg: Eagle3Config) -> list
                 keys = set(f.keys())
                 for key in ("hidden_states", "token_ids"):
                     if key not in keys:
-                        raise CheckpointError(path, f"tensor {key}", f"missing (found: {', '.join(sorted(keys)) or 'nothing'})")
+                        found = ", ".join(sorted(keys)) or "nothing"
+                        raise CheckpointError(path, f"tensor {key}", f"missing (found: {found})")
                 hs, tokens = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
         except SafetensorError as exc:
             raise CheckpointError(path, "file", f"not a readable safetensors file ({first_line(exc)})") from None
         L = len(sample.input_ids)
         if tuple(hs.shape) != (L, A + 1, Ht):
-            raise CheckpointError(path, "tensor hidden_states", f"shape {tuple(hs.shape)}, expected ({L}, {A + 1}, {Ht}): "
+            raise CheckpointError(path, "tensor hidden_states", f"shape {tuple(hs.shape)}, expected ({L}, {A + 1}, "
+                                                                f"{Ht}): "
                                                                 "[seq_len, aux layers + last, target_hidden_size]")
         if tokens.tolist() != list(sample.input_ids):
             raise CheckpointError(path, "tensor token_ids", f"differs from input_ids of line {sample.line}")

@@ -16,7 +16,7 @@ Schema = dict[str, tuple[tuple[int, ...], str]]                     # name -> (s
 def expected_tensors(cfg: Eagle3Config) -> Schema:
     """Canonical name -> (shape, kind) of every tensor the draft needs, in a fixed order."""
     H, Ht, A, hd = cfg.hidden_size, cfg.target_hidden_size, cfg.num_aux_hidden_states, cfg.head_dim
-    nh, nkv, I = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    nh, nkv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     out: Schema = {"embed_tokens.weight": ((cfg.vocab_size, H), "float"), "fc.weight": ((H, A * Ht), "float")}
     if cfg.norm_before_fc:
         out["input_norm.weight"] = ((A * Ht,), "float")
@@ -38,9 +38,9 @@ def expected_tensors(cfg: Eagle3Config) -> Schema:
         if cfg.draft_arch == "qwen3":   # Qwen3Attention's per-head norms (transformers modeling_qwen3.py)
             out[f"{p}.self_attn.q_norm.weight"] = ((hd,), "float")
             out[f"{p}.self_attn.k_norm.weight"] = ((hd,), "float")
-        out[f"{p}.mlp.gate_proj.weight"] = ((I, H), "float")
-        out[f"{p}.mlp.up_proj.weight"] = ((I, H), "float")
-        out[f"{p}.mlp.down_proj.weight"] = ((H, I), "float")
+        out[f"{p}.mlp.gate_proj.weight"] = ((inter, H), "float")
+        out[f"{p}.mlp.up_proj.weight"] = ((inter, H), "float")
+        out[f"{p}.mlp.down_proj.weight"] = ((H, inter), "float")
         if cfg.mlp_bias:
             out.update({f"{p}.mlp.{n}.bias": ((rows,), "float") for n, rows in _mlp_rows(cfg)})
     out["norm.weight"] = ((H,), "float")
@@ -53,8 +53,8 @@ def expected_tensors(cfg: Eagle3Config) -> Schema:
 
 
 def _mlp_rows(cfg: Eagle3Config) -> tuple[tuple[str, int], ...]:
-    I, H = cfg.intermediate_size, cfg.hidden_size
-    return ("gate_proj", I), ("up_proj", I), ("down_proj", H)
+    inter, H = cfg.intermediate_size, cfg.hidden_size
+    return ("gate_proj", inter), ("up_proj", inter), ("down_proj", H)
 
 
 def needed_by(name: str, cfg: Eagle3Config) -> str:
@@ -81,7 +81,7 @@ def undeclared_tensors(cfg: Eagle3Config) -> Schema:
     by the reference, refused by speculators' loader and dropped silently by SGLang's.
     """
     H, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    out: Schema = {"fc.bias": ((H,), "float"),                                 # SGLang: config `bias` (llama_eagle3.py:166)
+    out: Schema = {"fc.bias": ((H,), "float"),                         # SGLang: config `bias` (llama_eagle3.py:166)
                    "verifier_lm_head.weight": ((cfg.draft_vocab_size, H), "float"),   # speculators training-only
                    "verifier_norm.weight": ((H,), "float")}
     for i in range(cfg.num_hidden_layers):

@@ -52,7 +52,8 @@ class DraftStore:
         batch.cached_prefix = case.cached_prefix
         return batch
 
-    def trace(self, impl: str, case: DraftCase, dtype: torch.dtype, steps: int = 1, teacher_forced: bool = True) -> Trace:
+    def trace(self, impl: str, case: DraftCase, dtype: torch.dtype, steps: int = 1,
+              teacher_forced: bool = True) -> Trace:
         """Load `impl` on the case's checkpoint (its own format) and run it; raises LoadFailed."""
         key = (impl, case.id, dtype, steps, teacher_forced)
         if key not in self._traces:

@@ -1,12 +1,12 @@
-"""The one registry of known behaviour (registry.toml) and how an observed failure is matched against it.
+"""The one registry of known behaviour (registry.toml): reading, validating, and which entries apply.
 
 An entry holds for an implementation when the installed version is in its `versions` range and its
 `when` condition is true of the names its area defines (NAMES: draft knobs, server flags, tree shape,
 target wiring facts, server settings). The condition language is a small, safe subset of Python
 expressions (names, constants, tuples, comparisons, in, and/or/not, + - *), checked when the file is read.
 
-An entry names the exact place and the observed signature of what it knows (AREAS); the matchers
-below return an entry only when an observation equals them, so a different failure is never hidden.
+An entry names the exact place and the observed signature of what it knows (AREAS); the matchers in
+matching.py return an entry only when an observation equals them, so a different failure is never hidden.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def adapter_package(impl: str) -> str | None:
     """The distribution an adapter's version comes from (None: the reference, which has no entries)."""
     from conformance.adapters import ADAPTERS   # here, not at import: adapters may read the registry
 
-    return getattr(ADAPTERS[impl], "package", impl)   # older adapters without `package`: named as their package
+    return ADAPTERS[impl].package
 
 
 @cache
@@ -221,19 +221,21 @@ def case_names(case: DraftCase) -> dict[str, object]:
 
 
 def applicable(areas: str | Iterable[str], impl: str, names: Mapping[str, object],
-               registry: Sequence[Known] = REGISTRY) -> tuple[Known, ...]:
-    """The entries of `areas` for `impl` whose version range and condition hold, in file order."""
+               registry: Sequence[Known] | None = None) -> tuple[Known, ...]:
+    """The entries of `areas` for `impl` whose version range and condition hold, in file order
+    (`registry`: REGISTRY, read at call time so that a self-test can plant entries)."""
     areas = {areas} if isinstance(areas, str) else set(areas)
-    return tuple(e for e in registry if e.area in areas and e.impl == impl and e.applies(names))
+    return tuple(e for e in (REGISTRY if registry is None else registry)
+                 if e.area in areas and e.impl == impl and e.applies(names))
 
 
 def for_case(impl: str, case: DraftCase, steps: int | None = None,
-             registry: Sequence[Known] = REGISTRY) -> tuple[Known, ...]:
+             registry: Sequence[Known] | None = None) -> tuple[Known, ...]:
     """The load entries and the draft entries within the compared `steps` (None: all) that apply."""
     known = applicable(("load", "draft"), impl, case_names(case), registry)
     return tuple(e for e in known if e.area == "load" or steps is None or e.step < steps)
 
 
-def for_accounting(impl: str, case: DraftCase, registry: Sequence[Known] = REGISTRY) -> tuple[Known, ...]:
+def for_accounting(impl: str, case: DraftCase, registry: Sequence[Known] | None = None) -> tuple[Known, ...]:
     """The accounting entries and the load entries (a refusal is a load failure) that apply."""
     return applicable(("accounting", "load"), impl, case_names(case), registry)

@@ -15,13 +15,14 @@ from enum import StrEnum
 from importlib import metadata
 from pathlib import Path
 
+from conformance.adapters import ADAPTERS
 from conformance.core import report_render
 from conformance.core.compare import Comparison
 from conformance.core.tolerances import dtype_name
 
-PACKAGES = ("torch", "sglang", "speculators", "transformers", "safetensors", "hypothesis", "pytest")
+TOOLING = ("transformers", "safetensors", "hypothesis", "pytest")   # besides torch and the implementations
 CHART_FILE = report_render.CHART_FILE
-PASS, KNOWN, FAIL = "pass", "known divergence", "FAIL"   # an entry's outcome
+PASS, KNOWN, FAIL = report_render.PASS, report_render.KNOWN, report_render.FAIL
 
 
 class Section(StrEnum):
@@ -53,13 +54,20 @@ class Section(StrEnum):
     ACCEPT_ORACLE = "accept length: oracle draft"
     ACCEPT_GENERATIONS = "accept length over whole generations (reference)"
     ACCEPT_PLANTED = "accept length: planted faults"
+    # SGLang's serving engine (conformance/engine)
+    ENGINE = "engine: served vs reference, per request"
+    ENGINE_SERVERS = "engine: server arguments as SGLang resolved them (timings: vary run to run)"
+    ENGINE_SHIMS = "engine: scheduler-process shims"
+    ENGINE_TREE = "engine: tree rounds vs the exact tree"
+    ENGINE_FAULTS = "engine: planted serving faults"
     # throughput
     THROUGHPUT = "draft throughput (timings: vary run to run)"
 
 
 def versions() -> dict[str, str]:
+    """Python and the installed version of every package under test, by package name."""
     out = {"python": platform.python_version()}
-    for name in PACKAGES:
+    for name in ("torch", *(a.package for a in ADAPTERS.values() if a.package), *TOOLING):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -165,7 +173,7 @@ def support_matrix(comparisons: list[dict], v: dict[str, str]) -> list[dict]:
         if _severity(verdict) > _severity(row.get(c["impl"])):
             row[c["impl"]] = verdict
     impls = sorted({c["impl"] for c in comparisons})
-    columns = {impl: f"{impl} {v.get(impl, '?')}" for impl in impls}
+    columns = {impl: f"{impl} {v.get(getattr(ADAPTERS.get(impl), 'package', None), '?')}" for impl in impls}
     return [{"case": case, **{columns[i]: row.get(i, "not run") for i in impls}} for case, row in cells.items()]
 
 

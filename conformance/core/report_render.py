@@ -11,6 +11,7 @@ from conformance.core.stages import stage_kind, stage_names
 
 CHART_FILE = "stage_error.png"
 CHART_FLOOR = 1e-12   # exact stages are drawn here on the log scale
+PASS, KNOWN, FAIL = "pass", "known divergence", "FAIL"   # the outcomes of a comparison
 Summary = dict[tuple[str, str], dict[tuple[int, str], tuple[float | None, float | None, int]]]
 
 
@@ -18,7 +19,7 @@ def first_divergences(data: dict) -> list[tuple[str, ...]]:
     """One row per comparison that did not pass: outcome, pair, case, dtype, first divergent stage, reason."""
     rows = []
     for c in data["comparisons"]:
-        if c["outcome"] == "pass":
+        if c["outcome"] == PASS:
             continue
         f = c["first_divergence"]
         if f is None:
@@ -38,7 +39,7 @@ def stage_summary(data: dict) -> Summary:
     not known divergences (those are listed on their own), in forward order."""
     out: Summary = {}
     for c in data["comparisons"]:
-        if not c["stages"] or c["outcome"] == "known divergence":
+        if not c["stages"] or c["outcome"] == KNOWN:
             continue
         table = out.setdefault((f"{c['impl']} vs {c['against']}", c["dtype"]), {})
         for r in c["stages"]:
@@ -56,22 +57,28 @@ def stage_summary(data: dict) -> Summary:
 
 def run_notes(data: dict) -> list[dict]:
     """What each implementation said about how it ran (Trace.notes), once per note, with the cases it
-    was said for ("all" when every case compared for that implementation)."""
-    cases: dict[str, set[str]] = {}
+    was said for, counted among the cases that implementation ran ("all", "all but ...", or a list)."""
+    ran: dict[str, set[str]] = {}
     said: dict[tuple[str, str], set[str]] = {}
     for c in data["comparisons"]:
-        cases.setdefault(c["impl"], set()).add(c["case"])
+        if c["stages"]:
+            ran.setdefault(c["impl"], set()).add(c["case"])
         for note in c["notes"]:
             said.setdefault((c["impl"], note), set()).add(c["case"])
-    return [{"impl": impl, "note": note, "cases": "all" if ids == cases[impl] else ", ".join(sorted(ids))}
-            for (impl, note), ids in sorted(said.items())]
+    rows = []
+    for (impl, note), ids in sorted(said.items()):
+        rest = ran[impl] - ids
+        cases = "all" if not rest else f"all but {', '.join(sorted(rest))}" if len(rest) < len(ids) \
+            else ", ".join(sorted(ids))
+        rows.append({"impl": impl, "note": note, "cases": cases})
+    return rows
 
 
 def markdown(data: dict) -> str:
     comparisons = data["comparisons"]
     n = len(comparisons)
-    fails = sum(c["outcome"] == "FAIL" for c in comparisons)
-    known = sum(c["outcome"] == "known divergence" for c in comparisons)
+    fails = sum(c["outcome"] == FAIL for c in comparisons)
+    known = sum(c["outcome"] == KNOWN for c in comparisons)
     md = ["# EAGLE-3 conformance report", ""]
     if data.get("verdict"):   # a user's draft: the answer first, exactly as the terminal shows it
         md += ["## Verdict", "", "```", *verdict_lines(data["verdict"]), "```", ""]
@@ -108,7 +115,8 @@ VERDICT_FIELDS = ("where", "evidence", "cause", "fix")
 def verdict_lines(v: dict) -> list[str]:
     """The verdict on a user's draft: the one line, what was judged, then each problem numbered."""
     lines = [f"VERDICT: {v['headline']}"]
-    lines += [f"  {key}: {v[key]}" for key in ("draft", "trainer", "served as", "inputs") if v.get(key)]
+    keys = ("draft", "trainer", "served_as", "inputs")
+    lines += [f"  {key.replace('_', ' ')}: {v[key]}" for key in keys if v.get(key)]
     c = v["checks"]
     skipped = f", {c['skipped']} skipped" if c["skipped"] else ""
     lines.append(f"  checks: {c['passed']} passed, {c['failed']} failed{skipped}")

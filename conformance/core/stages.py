@@ -51,7 +51,3 @@ def stage_kind(stage: str) -> str:
     if base in ID_STAGES:
         return "ids"
     return "logits" if base == "logits" else "hidden"
-
-
-def stage_order(stage: str, num_layers: int) -> int:
-    return stage_names(num_layers).index(stage)

@@ -1,18 +1,24 @@
-"""The support matrix: per knob setting (a conformance case), is it safe to deploy with each
-implementation version? Generated from the registry for the README, and from test outcomes for the
-report. `python -m conformance.core.support_matrix --write-readme` refreshes the README's copy.
+"""The support matrix: per check area and case, is it safe to deploy with each implementation version?
+Generated from the registry (registry.toml) for the README; report.md carries the draft matrix from the
+tests that actually ran. `python -m conformance.core.support_matrix --write-readme` refreshes the README.
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from conformance.core.registry import installed_version, known_divergence
+from conformance.core.matching import deciding
+from conformance.core.registry import REGISTRY, for_accounting, for_case, installed_version
 from fixtures.cases import ALL_CASES, DraftCase
 
-IMPLS = ("sglang", "speculators")
 README = Path(__file__).resolve().parents[2] / "README.md"
 START, END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
+
+
+def impls() -> tuple[str, ...]:
+    from conformance.adapters import IMPLEMENTATIONS
+
+    return IMPLEMENTATIONS
 
 
 def column(impl: str) -> str:
@@ -28,14 +34,51 @@ def knob_setting(case: DraftCase) -> str:
     return "; ".join(parts) or "defaults"
 
 
-def registry_cell(impl: str, case: DraftCase) -> str:
-    entry = known_divergence(impl, case)
-    return "safe" if entry is None else f"diverges: step {entry.step} `{entry.stage}` ({entry.id})"
+def draft_cell(impl: str, case: DraftCase) -> str:
+    """The deciding forward entry (a load refusal first), then the accounting entries."""
+    entry = deciding(for_case(impl, case), case.config.num_hidden_layers)
+    cells = [] if entry is None else [
+        f"refused at load: {entry.error} ({entry.id})" if entry.area == "load"
+        else f"diverges: step {entry.step} `{entry.stage}` ({entry.id})"]
+    cells += [f"weight accounting: {e.problem} ({e.id})" for e in for_accounting(impl, case) if e.area == "accounting"]
+    return "; ".join(cells) or "safe"
 
 
-def registry_rows(cases=ALL_CASES) -> list[dict]:
-    return [{"case": c.id, "what": c.summary, "knobs": knob_setting(c), **{column(i): registry_cell(i, c) for i in IMPLS}}
-            for c in cases]
+def draft_rows(cases=ALL_CASES) -> list[dict]:
+    return [{"case": c.id, "what": c.summary, "knobs": knob_setting(c),
+             **{column(i): draft_cell(i, c) for i in impls()}} for c in cases]
+
+
+def tree_rows() -> list[dict]:
+    from conformance.draft.tree_cases import TREE_CASES, known_tree
+
+    def cell(case) -> str:
+        entry = deciding(known_tree(case), 1)
+        return "safe" if entry is None else f"diverges: step {entry.step} `{entry.stage}` ({entry.id})"
+
+    return [{"tree case": c.id, "draft": c.draft, "topk": c.topk, "steps": c.steps,
+             "draft tokens": c.num_draft_tokens, column("sglang"): cell(c)} for c in TREE_CASES]
+
+
+def wiring_rows() -> list[dict]:
+    """Per SGLang target class and draft config format: the training conventions it serves as trained,
+    and the registered mismatch of each other one."""
+    from conformance.wiring.wiring import known_wiring, wiring_matrix
+    from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS
+
+    rows: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for target, case, fmt in wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS):
+        known = known_wiring(target, case, fmt)
+        key = "safe" if not known else f"{known[0].kind} ({known[0].id})"
+        rows.setdefault((target.id, fmt), {}).setdefault(key, []).append(case.id)
+    return [{"target": t, "config format": f, column("sglang"): "; ".join(
+                f"{key}: {', '.join(cases)}" for key, cases in sorted(cells.items(), key=lambda kv: kv[0] != "safe"))}
+            for (t, f), cells in rows.items()]
+
+
+def settings_rows() -> list[dict]:
+    return [{"setting": e.setting, "when": f"`{e.when}`", "entry": e.id, "versions": f"{e.impl} {e.versions}",
+             "holds here": "yes" if e.version_holds() else "no"} for e in REGISTRY if e.area == "settings"]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -46,7 +89,11 @@ def markdown(rows: list[dict]) -> str:
 
 
 def readme_block() -> str:
-    return f"{START}\n{markdown(registry_rows())}\n{END}"
+    parts = [("Draft forward, loading and weight accounting", draft_rows()), ("Tree drafting", tree_rows()),
+             ("Target wiring: what SGLang feeds the draft, per training case", wiring_rows()),
+             ("Server settings SGLang serves differently (flagged by the settings check)", settings_rows())]
+    body = "\n\n".join(f"**{title}**\n\n{markdown(rows)}" for title, rows in parts)
+    return f"{START}\n{body}\n{END}"
 
 
 def write_readme(path: Path = README) -> None:

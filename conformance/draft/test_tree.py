@@ -26,7 +26,7 @@ SGLang 0.5.23's tree draft, as found (paths under sglang/srt/):
    candidates, their ids ascending, their tokens, and the expanded nodes as the parents list.
 The KV layout of 4 is filled by the adapter (draft_kv_layout): SGLang's Triton and sgl_kernel code
 that builds it does not run on this host; it is checked against SGLang's Triton kernels run in Triton's
-interpreter. SGLang's torch.compile'd helper runs eagerly (adapters/sglang.py eager_tree_helpers).
+interpreter. SGLang's torch.compile'd helper runs eagerly (adapters/sglang/drafting.py eager_tree_helpers).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import torch
 
 from conformance.adapters.base import Trace
 from conformance.core import stages as S
-from conformance.core.compare import DIVERGED, OK, Comparison, StageResult, compare_traces
+from conformance.core.compare import ABSENT, DIVERGED, OK, Comparison, StageResult, compare_traces
 from conformance.core.tolerances import tol_for
 from conformance.engine.served import ServedRound
 from conformance.engine.simulate import ReferenceRound
@@ -22,6 +22,8 @@ IMPL = "sglang engine"
 # target ids at once; the drafted target ids are read from its draft_forward result).
 CLAIMED = frozenset(S.PRE + S.LAYER + S.POST) - {"draft_ids"}
 POSITIONS, ACCEPTED = "positions", "accepted_drafts"
+# The tree draft_forward hands to verification, by the reference tree's stage names (reference/tree.py).
+TREE_OUTPUTS = (("tree_tokens", "draft_tokens"), ("tree_index", "top_scores_index"), ("tree_parents", "parent_list"))
 
 
 def exact(step: int, stage: str, actual: torch.Tensor, expected: torch.Tensor) -> StageResult:
@@ -60,7 +62,9 @@ def served_trace(served: ServedRound, last_row: int, num_layers: int, chain: boo
     if chain and "draft_tokens" in served.tree:
         for k, token in enumerate(served.tree["draft_tokens"].flatten()[:len(steps)]):
             steps[k]["target_ids"], all_rows[k]["target_ids"] = token[None], torch.tensor([last_row])
-    trace = Trace(impl=IMPL, dtype=torch.float32, steps=steps, rows=all_rows, claimed_stages=CLAIMED,
+    # A tree's drafted ids are its candidates (compared as the tree after the last step), not one per step.
+    claimed = CLAIMED if chain else CLAIMED - {"target_ids"}
+    trace = Trace(impl=IMPL, dtype=torch.float32, steps=steps, rows=all_rows, claimed_stages=claimed,
                   num_layers=num_layers)
     return trace, positions
 
@@ -77,7 +81,7 @@ def compare_round(served: ServedRound, ref: ReferenceRound, case_id: str, chain:
         results += [r for r in cmp.results if r.step == step]
     if chain:
         results.append(exact(steps - 1, ACCEPTED, torch.tensor([served.accepted]), torch.tensor([ref.accepted])))
-    cmp.results = results
+    cmp.results = [r for r in results if r.verdict != ABSENT]   # draft_ids: the capture reads target ids
     return cmp
 
 
@@ -89,3 +93,14 @@ def first_divergent_round(served: list[ServedRound], reference: list[ReferenceRo
         if cmp.first_divergence is not None:
             return r, cmp
     return min(len(served), len(reference)), None
+
+
+def compare_tree_round(served: ServedRound, ref: ReferenceRound, case_id: str) -> Comparison:
+    """A tree round: positions and stages of every step (topk rows per decode pass), then the tree
+    SGLang handed to verification (organize_draft_results: tokens, candidate ids, parents) and what
+    verify accepted of it, against the reference tree on the same context."""
+    cmp = compare_round(served, ref, case_id, chain=False)
+    last, tree = len(ref.trace.steps) - 1, ref.trace.steps[-1]
+    cmp.results += [exact(last, name, served.tree[mine], tree[name]) for name, mine in TREE_OUTPUTS]
+    cmp.results.append(exact(last, ACCEPTED, torch.tensor([served.accepted]), torch.tensor([ref.accepted])))
+    return cmp

@@ -17,7 +17,7 @@ from conformance.adapters import ADAPTERS
 from conformance.adapters.sglang.engine import Served, ServedEngine, read_events
 from conformance.engine.scenarios import EngineGroup, Prompt, Scenario
 from conformance.engine.served import ServedRound, served_rounds
-from conformance.engine.simulate import ReferenceRound, chain_rounds, tree_round
+from conformance.engine.simulate import ReferenceRound, chain_rounds, tree_rounds
 from fixtures.trained_draft import TrainedDraft
 
 
@@ -56,6 +56,9 @@ class EngineLane:
         self._chains: dict[tuple, list[ReferenceRound]] = {}
         self._greedy: dict[tuple, list[int]] = {}
         self._target = self._reference = None
+        self._live: ServedEngine | None = None
+        self.memo: dict = {}          # derived results (findings), computed once per session
+        self.recorded: set = set()    # report rows already written (per engine group)
         self.reference_seconds = 0.0
 
     # ------------------------------------------------------------ serving
@@ -75,6 +78,7 @@ class EngineLane:
         except Exception as exc:   # SGLang's own words, on one line
             run.error = f"engine {group.id} did not start: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
             return run
+        self._live = engine
         try:
             run.start_seconds = engine.start_seconds
             run.resolved = engine.resolved()
@@ -86,9 +90,11 @@ class EngineLane:
                 outputs.append((scenario, served, time.perf_counter() - start))
             run.shims = engine.shims()
         except Exception as exc:
-            run.error = f"engine {group.id} failed while serving: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+            first_line = str(exc).strip().splitlines()[0]
+            run.error = f"engine {group.id} failed while serving: {type(exc).__name__}: {first_line}"
         finally:
             engine.shutdown()
+            self._live = None
         rounds = served_rounds(read_events(capture), group.topk)
         for scenario, served, seconds in outputs:
             requests = [Request(p, s, rounds.get(s.meta["id"], [])) for p, s in served]
@@ -122,8 +128,8 @@ class EngineLane:
             ids = torch.tensor([self.prompt_ids(prompt)])
             config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                       pad_token_id=0, bos_token_id=None)
-            with torch.no_grad():
-                out = self.target.model.generate(ids, generation_config=config)
+            with torch.no_grad():   # an explicit mask: generate would mask prompt tokens equal to pad_token_id
+                out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
             self._greedy[key] = out[0, ids.shape[1]:].tolist()
         return self._greedy[key]
 
@@ -137,12 +143,20 @@ class EngineLane:
             self.reference_seconds += time.perf_counter() - start
         return self._chains[key]
 
-    def tree(self, group: EngineGroup, request: Request, r: int, kv: str) -> ReferenceRound:
-        """The reference tree on the context SGLang served at round r of `request`."""
-        committed = 1 + sum(s.accepted + 1 for s in request.rounds[:r])
-        context = torch.tensor(request.served.prompt + request.served.output_ids[:committed])
-        start = time.perf_counter()
-        out = tree_round(self.reference.model, self.target, context, self.trained.config.aux_layer_ids,
-                         group.steps, group.topk, group.draft_tokens, kv)
-        self.reference_seconds += time.perf_counter() - start
-        return out
+    def tree(self, group: EngineGroup, prompt: Prompt, num_draft_tokens: int, new_tokens: int,
+             kv: str) -> list[ReferenceRound]:
+        """The reference tree's speculative decoding of the same request (kv: reference/tree.py KV_RULES)."""
+        key = (prompt, group.steps, group.topk, num_draft_tokens, new_tokens, kv)
+        if key not in self._chains:
+            start = time.perf_counter()
+            self._chains[key] = tree_rounds(
+                self.reference.model, self.target, self.prompt_ids(prompt), self.greedy(prompt, new_tokens),
+                self.trained.config.aux_layer_ids, group.steps, group.topk, num_draft_tokens, new_tokens, kv)
+            self.reference_seconds += time.perf_counter() - start
+        return self._chains[key]
+
+    def close(self) -> None:
+        """Shut down an engine still up (a group is shut down once served; this covers an interruption)."""
+        if self._live is not None:
+            self._live.shutdown()
+            self._live = None

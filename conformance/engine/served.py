@@ -24,13 +24,15 @@ class Pass:
     positions: torch.Tensor                 # [n]
     rows: dict[str, torch.Tensor]           # stage -> [n, ...]
     selected: dict[str, torch.Tensor]       # stage -> [1, ...], at positions[-1]
+    batch: int                              # requests in the pass
+    width: int                              # rows the pass computed for this request
 
     def trimmed(self, n: int) -> "Pass":
         """The first n rows (a draft extend after verify computes every verify row; the accepted ones
         count), the n-th being the one the worker selects."""
         rows = {k: v[:n] for k, v in self.rows.items()}
         selected = {k: v[n - 1:n] for k, v in self.rows.items() if k in ("logits", "recurrent_hidden")}
-        return Pass(self.mode, self.positions[:n], rows, {**self.selected, **selected})
+        return Pass(self.mode, self.positions[:n], rows, {**self.selected, **selected}, self.batch, self.width)
 
 
 @dataclass
@@ -60,11 +62,12 @@ def _cut(meta: dict, tensors: dict[str, torch.Tensor], topk: int) -> dict[str, P
         for name, value in stages.items():
             if value.shape[0] == N:
                 rows[name] = value[a:b]
-            elif value.shape[0] == B:
+            if value.shape[0] == B:   # (with one row per request, N == B: both)
                 selected[name] = value[i:i + 1]
-            else:
-                raise ValueError(f"{mode} pass: stage {name} has {value.shape[0]} rows, neither {N} tokens nor {B} requests")
-        parts[rid] = Pass(mode, positions[a:b], rows, selected)
+            if value.shape[0] not in (N, B):
+                raise ValueError(f"{mode} pass: stage {name} has {value.shape[0]} rows, "
+                                 f"neither {N} tokens nor {B} requests")
+        parts[rid] = Pass(mode, positions[a:b], rows, selected, B, b - a)
     return parts
 
 

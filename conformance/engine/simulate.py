@@ -55,7 +55,8 @@ def draft_batch(target: GreedyTarget, context: torch.Tensor, aux_ids: tuple[int,
     """The draft's rows for a context x_0..x_p in the training convention, as draft_and_verify builds them."""
     _, aux, _ = target.run(context[None, :-1], aux_ids)
     p = len(context) - 1
-    return DraftBatch(aux=aux[0], input_ids=context[1:], positions=torch.arange(p), seq_ids=torch.zeros(p, dtype=torch.long))
+    return DraftBatch(aux=aux[0], input_ids=context[1:], positions=torch.arange(p),
+                      seq_ids=torch.zeros(p, dtype=torch.long))
 
 
 def tree_parent_nodes(index: torch.Tensor, parents: torch.Tensor, topk: int) -> list[int]:
@@ -93,3 +94,15 @@ def tree_round(ref, target: GreedyTarget, context: torch.Tensor, aux_ids: tuple[
     return ReferenceRound(context, Trace(impl=name, dtype=ref.dtype, steps=trace, rows=[{} for _ in trace],
                                          claimed_stages=ReferenceAdapter.claimed_stages,
                                          num_layers=ref.cfg.num_hidden_layers), tokens, accepted)
+
+
+def tree_rounds(ref, target: GreedyTarget, prompt: list[int], greedy: list[int], aux_ids: tuple[int, ...],
+                steps: int, topk: int, num_draft_tokens: int, new_tokens: int, kv: str) -> list[ReferenceRound]:
+    """Greedy tree speculative decoding of one request with SGLang's stop rule. Every accepted token is
+    the target's greedy token, so round r's context is the prompt and the first tokens of `greedy`."""
+    rounds, committed = [], 1     # the prefill commits the first token
+    while not rounds or committed < new_tokens:
+        context = torch.tensor(prompt + greedy[:committed])
+        rounds.append(tree_round(ref, target, context, aux_ids, steps, topk, num_draft_tokens, kv))
+        committed += rounds[-1].accepted + 1
+    return rounds

@@ -3,7 +3,8 @@ adapter's name or keeps a table keyed by it (what an implementation needs lives 
 new implementation is one adapter file plus its registration line).
 
 The modules' syntax trees are scanned for an adapter name as a string literal in a comparison
-(`impl == "sglang"`, `name in ("reference", ...)`) or as a dict key. Checkpoint *format*
+(`impl == "sglang"`, `name in ("reference", ...)`) or as a key (of a dict, or the first element of
+the pairs of a table). Checkpoint *format*
 identifiers (and trainer names) share two of those strings; they are told apart by what they are
 compared with or assigned to, whose name says it holds a format or a trainer (FORMAT_CONTEXT). Test
 modules and the registry data may name implementations; they are not scanned.
@@ -43,7 +44,8 @@ def name_branches(source: str, names: frozenset[str]) -> list[tuple[int, str]]:
     assigned_to = {id(node.value): " ".join(map(ast.unparse, node.targets if isinstance(node, ast.Assign)
                                                 else [node.target]))
                    for node in ast.walk(tree)
-                   if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Dict)}
+                   if isinstance(node, (ast.Assign, ast.AnnAssign))
+                   and isinstance(node.value, (ast.Dict, ast.Tuple, ast.List))}
 
     def operand(node: ast.AST) -> str:
         """An operand as written; `self.x` as `Class.x` (a Trainer's self.name is a trainer's name)."""
@@ -59,11 +61,15 @@ def name_branches(source: str, names: frozenset[str]) -> list[tuple[int, str]]:
                     hits = sorted(set(_literals(side)) & names)
                     if hits and not FORMAT_CONTEXT.search(operand(other)):
                         found.append((node.lineno, f"{ast.unparse(node)}: compares {ast.unparse(other)} with {hits}"))
-        elif isinstance(node, ast.Dict):
-            hits = [k.value for k in node.keys if isinstance(k, ast.Constant) and k.value in names]
+        elif isinstance(node, (ast.Dict, ast.Tuple, ast.List)):
+            # A dict, or a table of pairs ((name, value), ...), keyed by adapter names.
+            keys = node.keys if isinstance(node, ast.Dict) else \
+                [e.elts[0] for e in node.elts if isinstance(e, (ast.Tuple, ast.List)) and e.elts]
+            hits = [k.value for k in keys if isinstance(k, ast.Constant) and k.value in names]
             target = assigned_to.get(id(node), "")
             if hits and not FORMAT_CONTEXT.search(target):
-                found.append((node.lineno, f"dict keyed by {hits}" + (f" ({target})" if target else "")))
+                kind = "dict" if isinstance(node, ast.Dict) else "table"
+                found.append((node.lineno, f"{kind} keyed by {hits}" + (f" ({target})" if target else "")))
     return sorted(found)
 
 
@@ -99,8 +105,10 @@ def test_the_scan_finds_a_planted_branch_and_table(tmp_path):
         '    return 4\n'
         'GROUP = {"speculators": 8}\n'                          # 9: a table keyed by name
         'CONFIG_WRITERS = {"speculators": None}\n'              # keyed by format: allowed
-        'lookup = {"x": 1, "speculators": 2}[name]\n')          # 11: an unassigned name-keyed table
+        'lookup = {"x": 1, "speculators": 2}[name]\n'          # 11: an unassigned name-keyed table
+        'PAIRS = (("reference", "speculators"), ("sglang", "sglang"))\n'   # 12: a table of pairs
+        'FORMAT_PAIRS = (("sglang", "x"),)\n')                 # pairs keyed by format: allowed
     found = leaks([planted], tmp_path)
-    assert [line.split(":")[1] for line in found] == ["2", "4", "9", "11"], found
+    assert [line.split(":")[1] for line in found] == ["2", "4", "9", "11", "12"], found
     assert "compares impl with ['sglang']" in found[0] and "compares case.impl with ['reference']" in found[1]
     assert "dict keyed by ['speculators'] (GROUP)" in found[2], found

@@ -82,14 +82,16 @@ def no_config(d, *_):
 # The example draft is in SGLang's format (layers.* names, eagle_config ids) with fc_norm on.
 BAD = [
     Bad("truncated_safetensors", truncate, "model.safetensors", "file: not a readable safetensors file"),
-    Bad("empty_safetensors", lambda d, *_: (d / "model.safetensors").write_bytes(b""), "model.safetensors", "file: empty file"),
+    Bad("empty_safetensors", lambda d, *_: (d / "model.safetensors").write_bytes(b""), "model.safetensors",
+        "file: empty file"),
     Bad("missing_tensor", edit_weights(lambda w: w.pop("layers.0.hidden_norm.weight")), "model.safetensors",
         "tensor layers.0.hidden_norm.weight: missing (needed because every EAGLE-3 draft)"),
     Bad("missing_fc_norm", edit_weights(lambda w: w.pop("fc_norm.1.weight")), "model.safetensors",
         "tensor fc_norm.1.weight: missing (needed because fc_norm is true)"),
     Bad("extra_tensor", edit_weights(lambda w: w.update({"layers.0.self_attn.q_norm.weight": torch.ones(12)})),
         "model.safetensors", "tensor layers.0.self_attn.q_norm.weight: extra tensor"),
-    Bad("duplicate_tensor", edit_weights(lambda w: w.update({"midlayer.hidden_norm.weight": w["layers.0.hidden_norm.weight"].clone()})),
+    Bad("duplicate_tensor",
+        edit_weights(lambda w: w.update({"midlayer.hidden_norm.weight": w["layers.0.hidden_norm.weight"].clone()})),
         "model.safetensors", "duplicates layers.0.hidden_norm.weight"),
     Bad("wrong_shape", edit_weights(lambda w: w.update({"fc.weight": w["fc.weight"].T.contiguous()})),
         "model.safetensors", "tensor fc.weight: shape (120, 40), expected (40, 120)"),
@@ -120,6 +122,10 @@ BAD = [
         "field num_aux_hidden_states: 4 contradicts the 3 aux layer ids"),
     Bad("unsupported_rope", edit_config(lambda c: c.update(rope_scaling={"rope_type": "longrope", "factor": 1.0})),
         "config.json", "field rope_scaling.rope_type: longrope RoPE is not implemented"),
+    Bad("odd_rotary_dim", edit_config(lambda c: c.update(partial_rotary_factor=0.25)), "config.json",
+        "field partial_rotary_factor: 0.25 of head_dim 12 rotates 3 channels: expected an even number"),
+    Bad("qwen3_without_qk_norm", edit_config(lambda c: c.update(model_type="qwen3")), "model.safetensors",
+        "tensor layers.0.self_attn.q_norm.weight: missing (needed because draft_arch is qwen3"),
     Bad("rope_missing_field", edit_config(lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0})),
         "config.json", "missing field rope_scaling.low_freq_factor"),
     Bad("empty_config", lambda d, *_: (d / "config.json").write_text(""), "config.json", "file: empty file"),
@@ -139,11 +145,14 @@ BAD = [
     Bad("jsonl_empty", lambda d, data, *_: data.write_text(""), "train.jsonl", "file: empty file (no samples)"),
     Bad("dump_wrong_shape", lambda d, data, dump, _: save_file(
         {"hidden_states": torch.zeros(10, 3, 40), "token_ids": load_file(str(dump / "hs_0.safetensors"))["token_ids"]},
-        str(dump / "hs_0.safetensors")), "hs_0.safetensors", "tensor hidden_states: shape (10, 3, 40), expected (10, 4, 40)"),
+        str(dump / "hs_0.safetensors")), "hs_0.safetensors",
+        "tensor hidden_states: shape (10, 3, 40), expected (10, 4, 40)"),
     Bad("dump_wrong_tokens", lambda d, data, dump, _: save_file(
-        {"hidden_states": load_file(str(dump / "hs_1.safetensors"))["hidden_states"], "token_ids": torch.zeros(6, dtype=torch.int64)},
+        {"hidden_states": load_file(str(dump / "hs_1.safetensors"))["hidden_states"],
+         "token_ids": torch.zeros(6, dtype=torch.int64)},
         str(dump / "hs_1.safetensors")), "hs_1.safetensors", "tensor token_ids: differs from input_ids of line 2"),
-    Bad("target_config_missing_field", lambda d, data, dump, target: target.write_text(json.dumps({"model_type": "llama"})),
+    Bad("target_config_missing_field",
+        lambda d, data, dump, target: target.write_text(json.dumps({"model_type": "llama"})),
         "target.json", "missing field hidden_size"),
 ]
 

@@ -1,71 +1,314 @@
-"""Self-tests of the known-divergence registry (conformance/core/known_divergences.toml).
+"""Self-tests of the registry of known behaviour (conformance/core/registry.toml).
 
-Every entry must match a case and still diverge exactly where it says (so removing it turns those
-cases into failures naming the stage); a bogus or malformed entry must be caught.
+Every entry must decide a case and show, on every case it decides and in every dtype, exactly the place
+and signature it registers (so removing it turns those cases into failures that name it). Planted
+entries show that a wrong, too broad or out-of-range entry hides nothing; a malformed file is one line.
+Settings entries are about serving behaviour a CPU run cannot observe (beyond SGLang's own resolution):
+each must flag a command line or draft of the suite, and `shown_by` names the comparison that shows it.
 """
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
-from conformance.core.harness import LoadFailed, compare_with_reference
-from conformance.core.registry import (KNOWN_DIVERGENCES, LOAD, KnownDivergence, RegistryError,
-                                           load_registry)
-from fixtures.cases import ALL_CASES
+import conformance.core.registry as registry
+from conformance.adapters import ADAPTERS
+from conformance.core.harness import LoadFailed, assert_conforms, compare_with_reference, conformance_params
+from conformance.core.matching import (
+    KnownDivergenceHit, accounting_problems, deciding, match_load, match_wiring, settle_accounting,
+)
+from conformance.core.registry import REGISTRY, Known, RegistryError, for_accounting, for_case, load_registry
+from conformance.core.report import Report
+from conformance.core.tolerances import DTYPES
+from fixtures.cases import ALL_CASES, CASES_BY_ID
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 
 
-def registry_problems(registry: tuple[KnownDivergence, ...], drafts) -> list[str]:
-    """What is wrong with each entry: it matches no case, or its first case no longer diverges there."""
+def entries(*areas: str) -> list[Known]:
+    return [e for e in REGISTRY if e.area in areas]
+
+
+def by_id(entry: Known) -> str:
+    return entry.id
+
+
+# ---------------------------------------------------------------- draft forward and load failures
+
+def decided_cases(entry: Known, reg) -> list:
+    """The cases `entry` decides: a load entry wherever it applies, a draft entry where it is the earliest."""
+    out = []
+    for case in ALL_CASES:
+        known = for_case(entry.impl, case, registry=reg)
+        if entry in known and (entry.area == "load" or deciding(known, case.config.num_hidden_layers) == entry):
+            out.append(case)
+    return out
+
+
+def draft_problems(entry: Known, drafts, reg=None) -> list[str]:
+    """What is wrong with a draft or load entry: it decides no case, or a case in some dtype shows another
+    first divergence (or none), or another refusal than its exception class and message pattern."""
+    cases = decided_cases(entry, reg)
+    if not cases:
+        return [f"{entry.id}: decides no case (its xfail would never run)"]
     problems = []
-    for entry in registry:
-        cases = [c for c in ALL_CASES if entry.applies(c)]
-        if not cases:
-            problems.append(f"{entry.id}: matches no case (its xfail would never run)")
-            continue
-        case = cases[0]
-        try:
-            first = compare_with_reference(drafts, entry.impl, case, "fp32", steps=entry.step + 1).first_divergence
-            where = None if first is None else (first.step, first.stage)
-        except LoadFailed:
-            where = (0, LOAD)
-        if where != (entry.step, entry.stage):
-            problems.append(f"{entry.id}: case {case.id} diverges at {where or 'no stage'}, "
-                            f"not at step {entry.step} '{entry.stage}'")
+    for case in cases:
+        for dtype_name in sorted(DTYPES):
+            try:
+                steps = (entry.step or 0) + 1
+                first = compare_with_reference(drafts, entry.impl, case, dtype_name, steps=steps).first_divergence
+                seen = "no divergence" if first is None else f"step {first.step} `{first.stage}`"
+                ok = entry.area == "draft" and first is not None and (first.step, first.stage) == (entry.step,
+                                                                                                 entry.stage)
+            except LoadFailed as exc:
+                seen = f"load refused: {exc.error}: {exc.detail}"
+                ok = entry.area == "load" and match_load([entry], exc.error, exc.detail) is not None
+            if not ok:
+                problems.append(f"{entry.id}: case {case.id} in {dtype_name} shows {seen}, not {entry.place}")
     return problems
 
 
-def test_every_registry_entry_matches_a_case_and_still_diverges_there(drafts):
-    problems = registry_problems(KNOWN_DIVERGENCES, drafts)
-    assert not problems, "stale known divergences:\n  " + "\n  ".join(problems)
+@pytest.mark.parametrize("entry", entries("draft", "load"), ids=by_id)
+def test_draft_and_load_entries_show_exactly_what_they_register(entry, drafts):
+    problems = draft_problems(entry, drafts)
+    assert not problems, "stale registry entry:\n  " + "\n  ".join(problems)
 
 
 BOGUS = [
-    KnownDivergence("bogus-no-case", "sglang", ">=0", "hidden_size == 12345", 0, "fc_out", "nothing"),
-    KnownDivergence("bogus-wrong-stage", "sglang", ">=0", "norm_output", 0, "fc_out", "norm_output conforms"),
-    KnownDivergence("bogus-other-version", "sglang", "<0.1", "norm_before_residual", 0, "layers.0.residual", "x"),
+    Known("draft", "bogus-no-case", "sglang", ">=0", "hidden_size == 12345", "nothing", step=0, stage="fc_out"),
+    Known("draft", "bogus-wrong-stage", "sglang", ">=0", "norm_output", "norm_output conforms", step=0, stage="fc_out"),
+    Known("draft", "bogus-other-version", "sglang", "<0.1", "norm_before_residual", "x", step=0,
+          stage="layers.0.residual"),
+    Known("load", "bogus-wrong-message", "speculators", ">=0", "tie_word_embeddings", "x", error="ValueError",
+          message="size mismatch loading"),
+    Known("load", "bogus-wrong-class", "speculators", ">=0", "tie_word_embeddings", "x", error="TypeError",
+          message="lm_head"),
 ]
 
 
-@pytest.mark.parametrize("entry", BOGUS, ids=[e.id for e in BOGUS])
+@pytest.mark.parametrize("entry", BOGUS, ids=by_id)
 def test_a_bogus_entry_is_caught(entry, drafts):
-    problems = registry_problems((entry,), drafts)
+    problems = draft_problems(entry, drafts, reg=(entry,))
     assert problems and problems[0].startswith(entry.id), f"bogus entry not caught: {entry}"
 
 
+@pytest.mark.parametrize("change", [{"message": "size mismatch loading"}, {"error": "TypeError"}],
+                         ids=["other_message", "other_class"])
+def test_a_load_entry_with_another_signature_does_not_hide_the_refusal(change, drafts, monkeypatch, repro):
+    """speculators' tied-embedding refusal: the registered entry makes it the known hit; the same entry with
+    another message pattern or exception class leaves it an ordinary failure, with the loader's words."""
+    case, real = CASES_BY_ID["tied_embeddings"], next(e for e in REGISTRY if e.id == "speculators-never-ties-lm-head")
+    with pytest.raises(KnownDivergenceHit):
+        assert_conforms(drafts, Report(), "speculators", case, "fp32", "planted", repro)
+    monkeypatch.setattr(registry, "REGISTRY", (dataclasses.replace(real, **change),))
+    with pytest.raises(AssertionError) as info:
+        assert_conforms(drafts, Report(), "speculators", case, "fp32", "planted", repro)
+    assert not isinstance(info.value, KnownDivergenceHit) and "lm_head" in str(info.value), str(info.value)
+
+
+def test_an_entry_outside_the_installed_version_makes_an_ordinary_test(drafts, monkeypatch, repro):
+    """The first SGLang draft entry with its version range moved off the installed version: its case has
+    no xfail mark and, since SGLang still diverges, fails as an ordinary test naming the stage."""
+    entry = next(e for e in entries("draft") if e.impl == "sglang" and e.step == 0)
+    case = decided_cases(entry, None)[0]
+    assert all(p.marks for p in conformance_params(["sglang"], ["fp32"], [case])), "no xfail to begin with"
+    moved = tuple(dataclasses.replace(e, versions="<0.1") if e is entry else e for e in REGISTRY)
+    monkeypatch.setattr(registry, "REGISTRY", moved)
+    assert not any(p.marks for p in conformance_params(["sglang"], ["fp32"], [case]))
+    with pytest.raises(AssertionError) as info:
+        assert_conforms(drafts, Report(), "sglang", case, "fp32", "planted", repro)
+    assert not isinstance(info.value, KnownDivergenceHit) and entry.stage in str(info.value), str(info.value)
+
+
+def test_an_uninstalled_implementation_has_no_known_behaviour(monkeypatch):
+    """A host without SGLang (e.g. a GPU box running only speculators) must collect, and SGLang's
+    tests there must fail on the import rather than pass as expected failures."""
+    entry = entries("draft")[0]
+    case = decided_cases(entry, None)[0]
+    monkeypatch.setattr(ADAPTERS[entry.impl], "package", f"{entry.impl}-not-installed-here", raising=False)
+    registry.installed_version.cache_clear()
+    try:
+        assert registry.installed_version(entry.impl) is None
+        assert not for_case(entry.impl, case), f"{entry.id} still applies to {case.id} without {entry.impl}"
+    finally:
+        monkeypatch.undo()
+        registry.installed_version.cache_clear()
+    assert for_case(entry.impl, case)
+
+
+# ---------------------------------------------------------------- tree drafting
+
+@pytest.mark.parametrize("entry", entries("tree"), ids=by_id)
+def test_tree_entries_show_exactly_what_they_register(entry, drafts):
+    from conformance.draft.test_tree import DTYPE, compare_tree, make_reference_tree
+    from conformance.draft.tree_cases import TREE_CASES, known_tree
+
+    cases = [c for c in TREE_CASES if deciding(known_tree(c), CASES_BY_ID[c.draft].config.num_hidden_layers) == entry]
+    assert cases, f"{entry.id}: decides no tree case"
+    for case in cases:   # the tree lane is fp32 only
+        draft = CASES_BY_ID[case.draft]
+        tree = ADAPTERS[entry.impl]().load(drafts.checkpoint(draft)["sglang"], DTYPE).run_tree(
+            drafts.batch(draft, 1), case.steps, case.topk, case.num_draft_tokens)
+        first = compare_tree(tree, make_reference_tree(drafts, case, "ancestors"), case).first_divergence
+        assert first is not None and (first.step, first.stage) == (entry.step, entry.stage), (
+            f"{entry.id}: tree case {case.id} first diverges at "
+            f"{'nothing' if first is None else (first.step, first.stage)}, not {entry.place}")
+
+
+# ---------------------------------------------------------------- target wiring
+
+def wiring_cases():
+    from conformance.wiring.wiring import wiring_matrix
+    from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS
+
+    return wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS)
+
+
+@pytest.mark.parametrize("entry", entries("wiring"), ids=by_id)
+def test_wiring_entries_show_exactly_what_they_register(entry, wiring):
+    from conformance.wiring.wiring import known_wiring
+
+    cases = [x for x in wiring_cases() if known_wiring(*x)[:1] == (entry,)]
+    assert cases, f"{entry.id}: decides no wiring case"
+    for target, case, fmt in cases:
+        if target.no_forward:
+            comparison = wiring.capture_ids_only(target, case, fmt)
+        else:
+            comparison, _ = wiring.serve(target, case, fmt)
+        assert comparison.kind == entry.kind, f"{entry.id}: {comparison.case_id} shows {comparison.kind}"
+
+
+def test_a_wiring_entry_does_not_hide_another_kind_of_mismatch(wiring, repro):
+    """SGLang serves input-of-layer ids one layer deeper on Llama (registered); the same capture with its
+    last chunk cut off is a missing slot, which that entry must not make a known hit."""
+    from conformance.wiring.test_wiring import assert_wiring
+    from conformance.wiring.wiring import CASES_BY_ID as WIRING_CASES, DEEPER, MISSING, compare_capture, known_wiring
+    from fixtures.targets import TARGETS_BY_ID
+
+    target, case, fmt = TARGETS_BY_ID["llama"], WIRING_CASES["speculators_explicit"], "sglang_input_ids"
+    known = known_wiring(target, case, fmt)
+    comparison, aux = wiring.serve(target, case, fmt)
+    assert comparison.kind == DEEPER and match_wiring(known, DEEPER) is known[0]
+    with pytest.raises(KnownDivergenceHit):
+        assert_wiring(comparison, known, Report(), repro)
+    states = wiring.target(target).states
+    cut = compare_capture(comparison.case_id, case.boundaries, states, aux[:, :-states[0].shape[-1]], comparison.read,
+                          comparison.layers_to_capture)
+    assert cut.kind == MISSING
+    with pytest.raises(AssertionError) as info:
+        assert_wiring(cut, known, Report(), repro)
+    assert not isinstance(info.value, KnownDivergenceHit), str(info.value)
+
+
+# ---------------------------------------------------------------- weight accounting
+
+@pytest.mark.parametrize("entry", entries("accounting"), ids=by_id)
+def test_accounting_entries_still_name_their_tensors(entry, drafts):
+    """Every case the entry applies to, in every dtype: each of its tensor patterns names a tensor with
+    its problem."""
+    from conformance.loading.accounting import account
+
+    cases = [c for c in ALL_CASES if entry in for_accounting(entry.impl, c)]
+    assert cases, f"{entry.id}: applies to no case"
+    problems = []
+    for case in cases:
+        for dtype_name, dtype in sorted(DTYPES.items()):
+            acct = account(entry.impl, drafts.checkpoint(case)[ADAPTERS[entry.impl].checkpoint_format], dtype)
+            named = [t for p, t in accounting_problems(acct) if p == entry.problem]
+            problems += [f"{entry.id}: case {case.id} in {dtype_name}: no {entry.problem} tensor matches {pattern!r} "
+                         f"({named or 'none'})" for pattern in entry.tensors if not any(re.fullmatch(pattern, t)
+                                                                                          for t in named)]
+    assert not problems, "stale registry entry:\n  " + "\n  ".join(problems)
+
+
+def test_an_accounting_entry_does_not_hide_another_dropped_tensor(drafts, tmp_path, repro):
+    """SGLang drops the q/k/v biases (registered); a planted unknown tensor it drops too must fail."""
+    from conformance.loading.accounting import account
+    from fixtures.checkpoint import edited_copy
+
+    case = CASES_BY_ID["attention_bias"]
+    known, ckpt = for_accounting("sglang", case), drafts.checkpoint(case)["sglang"]
+    with pytest.raises(KnownDivergenceHit):
+        settle_accounting(account("sglang", ckpt), known, "sglang weight accounting [attention_bias]", repro)
+
+    def edit(w):
+        w["layers.0.self_attn.q_norm.weight"] = torch.ones(case.config.head_dim)
+    planted = account("sglang", edited_copy(ckpt, tmp_path / "sglang", edit))
+    with pytest.raises(AssertionError) as info:
+        settle_accounting(planted, known, "sglang weight accounting [attention_bias, planted]", repro)
+    message = str(info.value)
+    assert not isinstance(info.value, KnownDivergenceHit) and "q_norm.weight" in message.split("registry:")[-1], message
+
+
+# ---------------------------------------------------------------- server settings
+
+@pytest.fixture(scope="module")
+def settings_probes(trained_draft) -> dict[str, list]:
+    """findings per probe: the trained draft under every command line of the settings tests, that draft's
+    config without draft_vocab_size, and the suite's draft cases served with their own flags."""
+    from conformance.adapters.sglang.settings import DEFAULT_SGLANG_ARGS, draft_facts, effective_settings, findings
+    from conformance.settings.test_sglang_settings import CHAIN, MORE_STEPS_THAN_TRAINED, SEED_ARGS, SILENT
+
+    t = trained_draft
+    facts = draft_facts(t.checkpoints["speculators"], t.checkpoints["sglang"], t.target_dir, t.config)
+    lines = [DEFAULT_SGLANG_ARGS, SEED_ARGS, MORE_STEPS_THAN_TRAINED, CHAIN, *(line for _, line, _ in SILENT)]
+    probes = {line: effective_settings(line, t.target_dir, t.checkpoints["sglang"], facts) for line in lines}
+    out = {line: s.findings for line, s in probes.items()}
+    chain = probes[CHAIN]
+    bare = dataclasses.replace(facts, sglang_config={k: v for k, v in facts.sglang_config.items()
+                                                     if k != "draft_vocab_size"})
+    out["config without draft_vocab_size"] = findings(chain.requested, chain.effective, [], bare, "LlamaForCausalLM")
+    for case in ALL_CASES:
+        effective = {**chain.effective, **dict(case.sglang_args)}
+        out[f"draft case {case.id}"] = findings(chain.requested, effective, [], dataclasses.replace(
+            facts, config=case.config), "LlamaForCausalLM")
+    return out
+
+
+@pytest.mark.parametrize("entry", entries("settings"), ids=by_id)
+def test_settings_entries_flag_a_probe(entry, settings_probes):
+    fired = [probe for probe, found in settings_probes.items() if any(f.entry == entry.id for f in found)]
+    assert fired, f"{entry.id}: flags no command line or draft of the suite"
+    if entry.shown_by is not None:
+        shown = next(e for e in REGISTRY if e.id == entry.shown_by)
+        assert shown.area in ("draft", "tree", "load") and shown.impl == entry.impl, (
+            f"{entry.id}: shown_by {shown.id} is not a comparison of {entry.impl}")
+
+
+# ---------------------------------------------------------------- the file and the README
+
+ENTRY = 'id="x"\nimpl="sglang"\nversions="==0.5.23"\nreason="r"\n'
+
+
 @pytest.mark.parametrize("text,field", [
-    ('[[divergence]]\nid="x"\nimpl="sglang"\nversions="==0.5.23"\nwhen="no_such_knob"\nstep=0\nstage="fc_out"\nreason="r"\n', "no_such_knob"),
-    ('[[divergence]]\nid="x"\nimpl="sglang"\nversions="==0.5.23"\nwhen="__import__(1)"\nstep=0\nstage="fc_out"\nreason="r"\n', "Call"),
-    ('[[divergence]]\nid="x"\nimpl="vllm"\nversions="==1"\nwhen="mlp_bias"\nstep=0\nstage="fc_out"\nreason="r"\n', "impl"),
-    ('[[divergence]]\nid="x"\nimpl="sglang"\nversions="==0.5.23"\nwhen="mlp_bias"\nstep=0\nstage="fc"\nreason="r"\n', "stage"),
-    ('[[divergence]]\nid="x"\nimpl="sglang"\nwhen="mlp_bias"\nstep=0\nstage="fc_out"\nreason="r"\n', "versions"),
-    ('[[divergence]]\nid="x"\nimpl="sglang"\nversions="not a range"\nwhen="mlp_bias"\nstep=0\nstage="fc_out"\nreason="r"\n', "divergence #1"),
-    ('[[divergence]\n', "not valid TOML"),
-], ids=["unknown_knob", "call", "unknown_impl", "unknown_stage", "missing_field", "bad_range", "bad_toml"])
+    ('[[known]]\narea="draft"\n' + ENTRY + 'when="no_such_knob"\nstep=0\nstage="fc_out"\n', "no_such_knob"),
+    ('[[known]]\narea="draft"\n' + ENTRY + 'when="__import__(1)"\nstep=0\nstage="fc_out"\n', "Call"),
+    ('[[known]]\narea="draft"\n' + ENTRY.replace('"sglang"', '"vllm"') + 'when="mlp_bias"\nstep=0\nstage="fc_out"\n',
+     "impl"),
+    ('[[known]]\narea="draft"\n' + ENTRY + 'when="mlp_bias"\nstep=0\nstage="fc"\n', "stage"),
+    ('[[known]]\narea="draft"\nid="x"\nimpl="sglang"\nreason="r"\nwhen="mlp_bias"\nstep=0\nstage="fc_out"\n',
+     "versions"),
+    ('[[known]]\narea="draft"\n' + ENTRY.replace("==0.5.23", "not a range") + 'when="mlp_bias"\nstep=0\n'
+     'stage="fc_out"\n', "entry #1"),
+    ('[[known]]\narea="forward"\n' + ENTRY + 'when="mlp_bias"\n', "area"),
+    ('[[known]]\narea="load"\n' + ENTRY + 'when="mlp_bias"\nerror="ValueError"\nmessage="(unclosed"\n', "message"),
+    ('[[known]]\narea="wiring"\n' + ENTRY + 'when="format == 1"\nkind="sideways"\n', "kind"),
+    ('[[known]]\narea="wiring"\n' + ENTRY + 'when="mlp_bias"\nkind="slot missing"\n', "mlp_bias"),
+    ('[[known]]\narea="accounting"\n' + ENTRY + 'when="mlp_bias"\nproblem="lost"\ntensors=["x"]\n', "problem"),
+    ('[[known]]\narea="accounting"\n' + ENTRY + 'when="mlp_bias"\nproblem="never loaded"\ntensors=[]\n', "tensors"),
+    ('[[known]]\narea="settings"\n' + ENTRY + 'when="mlp_bias"\nsetting="speculative_nonsense"\n', "setting"),
+    ('[[known]]\narea="settings"\n' + ENTRY + 'when="mlp_bias"\nsetting="lm_head"\nshown_by="nothing"\n', "shown_by"),
+    ('[[divergence]]\n' + ENTRY, "[[known]]"),
+    ('[[known]\n', "not valid TOML"),
+], ids=["unknown_knob", "call", "unknown_impl", "unknown_stage", "missing_field", "bad_range", "unknown_area",
+        "bad_regex", "bad_kind", "name_of_another_area", "bad_problem", "no_tensors", "bad_setting", "bad_shown_by",
+        "old_table", "bad_toml"])
 def test_a_malformed_registry_is_a_one_line_error(text, field, tmp_path: Path):
-    path = tmp_path / "known_divergences.toml"
+    path = tmp_path / "registry.toml"
     path.write_text(text)
     with pytest.raises(RegistryError) as info:
         load_registry(path)
@@ -77,21 +320,3 @@ def test_readme_support_matrix_is_current():
     from conformance.core.support_matrix import README, readme_block
 
     assert readme_block() in README.read_text(), "README's support matrix is stale: run `make support-matrix`"
-
-
-def test_an_uninstalled_implementation_has_no_known_divergence(monkeypatch):
-    """A host without SGLang (e.g. a GPU box running only speculators) must collect, and SGLang's
-    tests there must fail on the import rather than pass as expected failures."""
-    import conformance.core.registry as kd
-
-    entry = next(e for e in KNOWN_DIVERGENCES if e.impl == "sglang")
-    case = next(c for c in ALL_CASES if entry.applies(c))
-    monkeypatch.setitem(kd.PACKAGES, "sglang", "sglang-not-installed-here")
-    kd.installed_version.cache_clear()
-    try:
-        assert kd.installed_version("sglang") is None
-        assert not entry.applies(case), f"{entry.id} still applies to {case.id} without SGLang installed"
-    finally:
-        monkeypatch.undo()
-        kd.installed_version.cache_clear()
-    assert entry.applies(case)

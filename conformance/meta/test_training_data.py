@@ -33,13 +33,15 @@ def test_valid_samples_load(tmp_path):
 
 @pytest.mark.parametrize("row,words", [
     ({k: v for k, v in LINE.items() if k != "input_ids"} | {"token_ids": [1, 2]},
-     "line 1: missing field input_ids (found: loss_mask, seq_len, n_prompt_tokens, n_response_tokens, source, token_ids)"),
+     "line 1: missing field input_ids (found: loss_mask, seq_len, n_prompt_tokens, n_response_tokens, source, "
+     "token_ids)"),
     ({**LINE, "seq_len": 5}, "line 1: seq_len: 5, but input_ids has 4 tokens"),
     ({**LINE, "loss_mask": [0, 1, 1, 1]}, "line 1: loss_mask: is 1 inside the prompt"),
     ({**LINE, "loss_mask": [0, 0, 1, 0]}, "line 1: loss_mask: does not cover the response"),
     ({**LINE, "loss_mask": [0, 0, 1]}, "line 1: loss_mask: has 3 entries, but seq_len is 4"),
     ({**LINE, "loss_mask": [0, 0, 2, 1]}, "line 1: loss_mask: expected only 0 and 1, got 2"),
-    ({**LINE, "n_response_tokens": 3}, "line 1: n_response_tokens: n_prompt_tokens 2 + n_response_tokens 3 != seq_len 4"),
+    ({**LINE, "n_response_tokens": 3},
+     "line 1: n_response_tokens: n_prompt_tokens 2 + n_response_tokens 3 != seq_len 4"),
     ({**LINE, "input_ids": [5, 6, 7, 200]}, "line 1: input_ids: token id 200 >= the draft's vocab_size 97"),
     ({**LINE, "input_ids": "5 6 7 8"}, "line 1: input_ids: expected a list of integers"),
     ({**LINE, "source": 3}, "line 1: source: expected a string"),
@@ -105,8 +107,10 @@ def test_dump_round_trip_and_alignment(tmp_path):
 
 
 @pytest.mark.parametrize("edit,words", [
-    (lambda d: (d / "hs_1.safetensors").unlink(), "hs_1.safetensors: file: missing: the hidden states of training-data line 2"),
-    (lambda d: (d / "hs_0.safetensors").write_bytes(b"\x00" * 9), "hs_0.safetensors: file: not a readable safetensors file"),
+    (lambda d: (d / "hs_1.safetensors").unlink(),
+     "hs_1.safetensors: file: missing: the hidden states of training-data line 2"),
+    (lambda d: (d / "hs_0.safetensors").write_bytes(b"\x00" * 9),
+     "hs_0.safetensors: file: not a readable safetensors file"),
 ], ids=["missing_file", "corrupt_file"])
 def test_broken_dump_is_named(edit, words, tmp_path):
     samples = load_samples(write_samples(tmp_path / "d.jsonl", [[1, 2, 3], [4, 5, 6]], n_prompt=[1, 1]), 97)

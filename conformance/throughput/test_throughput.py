@@ -18,9 +18,10 @@ import torch
 from conformance.adapters import ADAPTERS, REFERENCE
 from conformance.core.harness import DraftStore
 from conformance.core.report import Section
+from conformance.throughput.results import RESULTS, Figure, reference_id
 from conformance.throughput.throughput import (
-    COPY, CPU_SIZES, GPU_SIZES, RESULTS, ROOFLINE_GROUP, ROOFLINE_TIMER, BenchCase, Figure, planted_slowdown,
-    reference_id, step_bytes, sweep, synchronize, time_rounds,
+    COPY, CPU_SIZES, GPU_SIZES, ROOFLINE_GROUP, ROOFLINE_TIMER, BenchCase, planted_slowdown, step_bytes, sweep,
+    synchronize, time_rounds,
 )
 from conformance.core.tolerances import DTYPES
 from fixtures.cases import DraftCase

@@ -22,10 +22,11 @@ FIXES = {
         "({num_aux_hidden_states} * {target_hidden_size} == {hidden_size}); retrain with another hidden_size",
     "sglang-fc-input-norm-skipped-when-widths-coincide":
         f"{RETRAIN}: SGLang skips fc and its norms whenever num_aux_hidden_states * target_hidden_size == "
-        "hidden_size ({num_aux_hidden_states} * {target_hidden_size} == {hidden_size}); retrain with another hidden_size",
+        "hidden_size ({num_aux_hidden_states} * {target_hidden_size} == {hidden_size}); "
+        "retrain with another hidden_size",
     "sglang-residual-never-normed":
-        f"{RETRAIN}: norm_before_residual false (speculators' training default is true: "
-        "train/config/schema.py:145, pass --norm-before-residual false)",
+        f"{RETRAIN}: norm_before_residual false (speculators trains with true unless given "
+        "--no-norm-before-residual: train/config/schema.py:145)",
     "sglang-qkv-bias-dropped": f"{RETRAIN}: attention_bias false",
     "sglang-qkv-bias-dropped-at-load": f"{RETRAIN}: attention_bias false",
     "sglang-mlp-bias-dropped": f"{RETRAIN}: mlp_bias false",

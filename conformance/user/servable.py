@@ -64,7 +64,7 @@ def directory_problem(path: Path, fmt: str, shown: str) -> Problem | None:
         return Problem(what, where, evidence, raise_site(exc), fix, DIRECTORY, key="directory")
     archs = list(getattr(config, "architectures", None) or [])
     if not archs or archs[0] != DRAFT_CLASS:
-        return Problem(f"SGLang would not build an EAGLE-3 draft from this directory", where,
+        return Problem("SGLang would not build an EAGLE-3 draft from this directory", where,
                        f"architectures {archs}: SGLang builds {archs[0] if archs else 'nothing'}, not {DRAFT_CLASS}",
                        "SGLang builds the class named by architectures[0] (sglang/srt/models/registry.py:93-104, "
                        "model_loader/utils.py:198-232)", fix, DIRECTORY, key="directory")
@@ -85,7 +85,8 @@ def conversion_findings(source: Path, served: Path, trainer, accounts: dict) -> 
     eagle = getattr(sglang_config(served), "eagle_config", None) or {}
     got = eagle.get("eagle_aux_hidden_state_layer_ids")
     if got != expected:
-        out.append(f"aux ids: SGLang reads eagle_config ids {got} (output of layer i, spec_aux_hidden_state.py:185-196); "
+        out.append(f"aux ids: SGLang reads eagle_config ids {got} (output of layer i, "
+                   "spec_aux_hidden_state.py:185-196); "
                    f"training used inputs of layers {list(trained) if trained else 'the default'}, so {expected}")
     ref, sgl = accounts["reference"].knobs, accounts["sglang"].knobs
     out += [f"{knob}: SGLang builds {sgl.get(knob)}, training has {ref.get(knob)}"

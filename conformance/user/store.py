@@ -60,7 +60,8 @@ class UserDraftStore(DraftStore):
     def checkpoint(self, case: DraftCase) -> dict[str, Path]:
         """Copies in each implementation's format. SGLang-family drafts keep their own config.json and
         tensor names, so SGLang reads them exactly as it would serve them (its legacy names, its
-        reading of norm_output, ...); other formats go through this suite's converter (conformance/checkpoints/formats.py)."""
+        reading of norm_output, ...); other formats go through this suite's converter
+        (conformance/checkpoints/directory.py)."""
         if not self.is_user(case):
             return super().checkpoint(case)
         case = self.case
@@ -76,7 +77,8 @@ class UserDraftStore(DraftStore):
             if src.format in SGLANG_FAMILY:
                 dirs["sglang"] = root / "sglang"
                 dirs["sglang"].mkdir(parents=True, exist_ok=True)
-                stored = {src.tensors[k].stored_name if k in src.tensors else k: v.contiguous() for k, v in weights.items()}
+                stored = {src.tensors[k].stored_name if k in src.tensors else k: v.contiguous()
+                          for k, v in weights.items()}
                 save_file(stored, str(dirs["sglang"] / WEIGHTS_FILE), metadata={"format": "pt"})
                 shutil.copyfile(src.path / CONFIG_FILE, dirs["sglang"] / CONFIG_FILE)
             else:
@@ -96,10 +98,12 @@ class UserDraftStore(DraftStore):
             elif self.inputs.samples is not None and uses_tiny_target(cfg):
                 target = TinyTarget(cfg, torch.Generator().manual_seed(SEED + 2))
                 self._aux = [target.hidden_states(list(s.input_ids))[:-1, :A].flatten(1).double() for s in samples]
-                self.aux_source = f"tiny random target (layers {list(target.aux_layer_ids)} of {target.model.config.num_hidden_layers})"
+                layers = target.model.config.num_hidden_layers
+                self.aux_source = f"tiny random target (layers {list(target.aux_layer_ids)} of {layers})"
             else:
                 g = torch.Generator().manual_seed(SEED + 3)
-                self._aux = [torch.randn(len(s.input_ids) - 1, A * Ht, generator=g, dtype=torch.float64) for s in samples]
+                self._aux = [torch.randn(len(s.input_ids) - 1, A * Ht, generator=g, dtype=torch.float64)
+                             for s in samples]
                 self.aux_source = "seeded random"
         return self._aux
 
@@ -141,11 +145,11 @@ class UserDraftStore(DraftStore):
         inputs = self.inputs
         self.aux()
         layers = inputs.target["num_hidden_layers"] if inputs.target else None
-        served = ("this suite's conversion to SGLang's format (the directory as written is problem 1)"
-                  if self.converted else "the directory as written")
+        served = ("this suite's conversion to SGLang's format, checked (every tensor, aux ids, norms, vocabulary); "
+                  "the directory as written is problem 1" if self.converted else "the directory as written")
         return {"draft": f"{inputs.source}: {_knob_summary(inputs.config)}",
                 "trainer": inputs.trainer.describe(layers) if inputs.trainer else "",
-                "served as": served,
+                "served_as": served,
                 "inputs": (f"{len(self.samples)} samples of "
                            f"{inputs.data_file.name if inputs.data_file else 'seeded random ids'}; aux states: "
                            f"{self.aux_source}")}

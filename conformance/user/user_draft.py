@@ -59,7 +59,7 @@ def validate_checkpoint(path: Path) -> tuple[DraftCheckpoint, list[str]]:
     notes = list(ckpt.parsed.notes)
     expected, optional = expected_tensors(cfg), undeclared_tensors(cfg)
     weights_file = next(iter(ckpt.tensors.values())).file if ckpt.tensors else Path(path)
-    for name, (shape, kind) in expected.items():
+    for name in expected:
         if name in ckpt.tensors:
             continue
         if name == "embed_tokens.weight":
@@ -125,7 +125,8 @@ def validate_inputs(checkpoint: Path, data: Path | None = None, hidden_states: P
         inputs.samples = load_samples(Path(data), cfg.vocab_size)
     if hidden_states is not None:
         if inputs.samples is None:
-            raise CheckpointError(hidden_states, "option --hidden-states", "needs --training-data (the dump's token ids)")
+            raise CheckpointError(hidden_states, "option --hidden-states",
+                                  "needs --training-data (the dump's token ids)")
         inputs.hidden_states = Path(hidden_states)
         read_dump(Path(hidden_states), inputs.samples[:len(first_samples(inputs.samples))], cfg)
     if target is not None:

@@ -6,9 +6,9 @@ forward) is one problem. A failed user check that added none still counts, as it
 verdict is never "served as trained" while a check failed. Checks of other areas (wiring, server
 flags) add theirs the same way, through the `verdict` fixture.
 
-VerdictPlugin holds the pytest side: the focused run (only checks marked `user` when
---draft-checkpoint is given, unless --with-matrix), the exit code (1 whenever there is a problem), the
-verdict block in the terminal summary, and the "verdict" object of report.json / report.md.
+VerdictPlugin holds the pytest side: the focused run (with --draft-checkpoint, unless --with-matrix, only
+the checks marked `user` in conformance/user/ are collected and run), the exit code (1 whenever there is
+a problem), the verdict block in the terminal summary, and the "verdict" object of report.json / report.md.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 DIRECTORY, CONVERSION, LOADING, FORWARD, WIRING, SETTINGS, OTHER = range(7)
 SERVED, NOT_SERVED = "served as trained", "NOT served as trained"
 USER_MARK = "user"
-USER_FILES = "test_user"   # the focused run collects only test files whose name starts with this
+USER_DIR = Path(__file__).resolve().parent   # the focused run collects only test files here
 FIELDS = ("what", "where", "evidence", "cause", "fix")
 
 
@@ -121,7 +121,7 @@ class VerdictPlugin:
     def pytest_ignore_collect(self, collection_path: Path, config):
         # The focused run does not even import the built-in matrix's test modules.
         if focused(config) and collection_path.suffix == ".py" and collection_path.name.startswith("test_") \
-                and not collection_path.name.startswith(USER_FILES):
+                and USER_DIR not in collection_path.resolve().parents:
             return True
         return None
 
@@ -144,8 +144,8 @@ class VerdictPlugin:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session, exitstatus):
-        if not self.config.getoption("--draft-checkpoint"):
-            return
+        if not self.config.getoption("--draft-checkpoint") or not self.verdict.outcomes:
+            return   # no verdict when no user check ran (--collect-only, a -k that selects none)
         from conformance.core.report import versions
 
         self.verdict.finish()
@@ -153,6 +153,7 @@ class VerdictPlugin:
         if not self.verdict.served and session.exitstatus == 0:
             session.exitstatus = 1   # a problem no check raised as a failure still fails the run
 
+    @pytest.hookimpl(trylast=True)   # after the stage tables: the last thing before pytest's own summary
     def pytest_terminal_summary(self, terminalreporter):
         from conformance.core.report_render import verdict_lines
 

@@ -23,27 +23,22 @@ transformers twin's own fp32-vs-fp64 difference at that boundary (conformance/co
 """
 from __future__ import annotations
 
-import copy
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from conformance.adapters.sglang.target import (
-    AuxIds, CaptureFailed, DraftConfigRefused, SGLangTarget, build_target, load_target, sglang_aux_layer_ids,
+    AuxIds, CaptureFailed, DraftConfigRefused, sglang_aux_layer_ids, sglang_class,
 )
 from conformance.checkpoints.errors import CheckpointError
 from conformance.core.compare import OK, StageResult, compare_tensors
 from conformance.user.trainer import Trainer
 from conformance.user.verdict import WIRING, Problem
 from conformance.wiring.wiring import AUX_STAGE, describe_read
-from fixtures.target_twin import TargetTwin, TwinUnsupported, target_twin
-from fixtures.targets import make_hf_target, make_target_input, write_target_config
-
-SEED = 0
+from fixtures.target_twin import TwinRun, TwinUnsupported, build_twin, target_twin
 
 
 # ---------------------------------------------------------------- file:line in the pinned packages
@@ -83,54 +78,7 @@ def layer_list(boundaries, n: int) -> str:
     return "[" + ", ".join(b if isinstance(b, str) else boundary_name(b, n) for b in boundaries) + "]"
 
 
-# ---------------------------------------------------------------- the twin, both sides
-
-@dataclass
-class TwinRun:
-    twin: TargetTwin
-    input_ids: torch.Tensor
-    states: list[torch.Tensor]       # transformers fp32, boundaries 0..N, each [T, Ht]
-    precise: list[torch.Tensor]      # the same in fp64: the noise floor
-    sglang: SGLangTarget
-
-    def capture(self, ids: AuxIds) -> tuple[tuple[int, ...], torch.Tensor | None]:
-        """(layers_to_capture, SGLang's aux tensor or None when its forward cannot run here)."""
-        self.sglang.set_capture(ids)
-        layers = tuple(self.sglang.layers_to_capture)
-        return layers, (None if self.twin.no_forward else self.sglang.run(self.input_ids)[0])
-
-
-_RUNS: dict[tuple[str, str], TwinRun] = {}
-
-
-def build_twin(twin: TargetTwin, root: Path) -> TwinRun:
-    """transformers' and SGLang's twin with the same seeded weights, read from one checkpoint written in
-    the published layout (transformers' save_pretrained: per-expert MoE tensors, as SGLang loads them)."""
-    key = (twin.id, twin.config_text)
-    if key in _RUNS:
-        return _RUNS[key]
-    ids = make_target_input(torch.Generator().manual_seed(SEED + 1))
-    config_dir = write_target_config(twin, root / twin.id)
-    if twin.no_forward:   # SGLang's forward cannot run here: its class alone, what it asks to capture
-        _RUNS[key] = TwinRun(twin, ids, [], [], build_target(twin, config_dir))
-        return _RUNS[key]
-    hf, _ = make_hf_target(twin, torch.Generator().manual_seed(SEED))
-    if hasattr(hf.config, "_experts_implementation"):
-        # transformers' grouped-mm experts have no fp64 kernel; its eager loop computes the same in any dtype.
-        hf.set_experts_implementation("eager")
-    states = []
-    for model in (hf, copy.deepcopy(hf).double()):
-        with torch.no_grad():
-            out = model(ids[None], output_hidden_states=True)
-        states.append([h[0].detach().clone() for h in out.hidden_states])
-    hf.save_pretrained(root / twin.id / "hf")
-    weights = {}
-    for path in sorted((root / twin.id / "hf").glob("*.safetensors")):
-        weights.update(load_file(str(path)))
-    sglang = load_target(twin, config_dir, weights)
-    _RUNS[key] = TwinRun(twin, ids, states[0], states[1], sglang)
-    return _RUNS[key]
-
+# ---------------------------------------------------------------- naming what SGLang captured
 
 def name_chunk(run: TwinRun, chunk: torch.Tensor) -> tuple[str, StageResult]:
     """The boundary whose transformers state `chunk` equals within tolerance ('?' and the nearest if none)."""
@@ -201,10 +149,12 @@ def _capture_cause(run: TwinRun) -> str:
         resolve_spec_aux_hidden_state_config,
     )
 
-    cls = type(run.sglang.model)
-    return (f"SGLang reads the ids with resolve_spec_aux_hidden_state_config ({source_ref(resolve_spec_aux_hidden_state_config)}) "
-            f"and {cls.__name__}.set_eagle3_layers_to_capture ({source_ref(cls.set_eagle3_layers_to_capture)}) "
-            "turns them into layers_to_capture; the decoder captures the input of each listed layer")
+    classes = run.classes or (sglang_class(run.twin),)
+    setters = " via ".join(f"{c.__name__}.set_eagle3_layers_to_capture ({source_ref(c.set_eagle3_layers_to_capture)})"
+                           for c in classes)
+    return (f"SGLang reads the ids with resolve_spec_aux_hidden_state_config "
+            f"({source_ref(resolve_spec_aux_hidden_state_config)}); {setters} turns them into layers_to_capture; "
+            "the decoder captures the input of each listed layer")
 
 
 def find_ids(run: TwinRun, training: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -229,7 +179,7 @@ def servable_ids(target_config: Path, boundaries: tuple[int, ...], root: Path) -
 def _fix(run: TwinRun, training: tuple[int, ...], use_aux: bool) -> str:
     n = run.twin.num_layers
     ids = find_ids(run, training)
-    cls = type(run.sglang.model).__name__
+    cls = (run.classes or (sglang_class(run.twin),))[0].__name__
     if ids is None:
         return (f"SGLang's {cls} cannot capture {layer_list(training, n)} with any eagle_config ids tried; "
                 "retrain on layers it can capture (e.g. its default list) and write those ids")
@@ -274,8 +224,7 @@ def check_user_wiring(draft_dir: Path, target_config: Path, trainer: Trainer, ro
     try:
         out.layers_to_capture, aux = run.capture(aux_ids)
     except CaptureFailed as exc:
-        out.layers_to_capture = tuple(run.sglang.layers_to_capture)
-        out.error = f"SGLang's target forward failed while capturing: {exc}"
+        out.error = f"SGLang's target failed while capturing: {exc}"
         aux = None
         out.serving = ()
     else:

@@ -95,9 +95,10 @@ class ServedEngine:
         self.generate_seconds = 0.0
 
     def resolved(self) -> dict:
-        """The server arguments as SGLang resolved them (ServerArgs after its own post-init)."""
-        args = self.engine.server_args
-        return {name: getattr(args, name, None) for name in RESOLVED_FIELDS}
+        """The server arguments as SGLang resolved them: what the running engine reports (the
+        scheduler's own resolution included, e.g. the overlap schedule it turns off on CPU)."""
+        info = self.engine.get_server_info()
+        return {name: info.get(name) for name in RESOLVED_FIELDS}
 
     def shims(self) -> dict[str, str]:
         path = self.capture_dir / "shims.json"

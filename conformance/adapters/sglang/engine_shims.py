@@ -22,7 +22,8 @@ import torch
 
 from conformance.adapters.sglang.recorder import Recorder, canonical_stages
 
-# name -> what it changes; reported with each engine (conformance/engine/engine.py).
+# name -> what it changes; reported with each engine (conformance/engine/reporting.py). apply_shims
+# reports what it did under the same names.
 SHIMS = {
     "TRITON_INTERPRET=1": "environment, set before the scheduler imports triton: every @triton.jit kernel of SGLang "
                           "(Triton attention backend, KV copy/warmup, draft cache-location assignment, tree build "
@@ -30,20 +31,21 @@ SHIMS = {
     "attention_backend=triton": "server argument: SGLang's Triton attention backend (torch_native has no EAGLE "
                                 "multi-step draft backend, speculative/draft_utils.py:64, and cannot serve a "
                                 "TARGET_VERIFY batch, torch_native_backend.py:101)",
-    "spec_tree._is_xpu=True": "module flag of sglang.kernels.ops.speculative.spec_tree only: tree build "
-                              "(sgl_build_tree_kernel_triton) and greedy verify (verify_tree_greedy_triton) run "
-                              "SGLang's Triton port shipped for Intel XPU instead of the CUDA-JIT kernels, which "
-                              "are absent here: same operation and arguments, a different kernel",
-    "cache_locs._is_xpu=True": "module flag of sglang.kernels.ops.speculative.cache_locs only: verify's cache-"
-                               "location assignment (assign_extend_cache_locs[_uniform]) takes the Triton branch "
-                               "that CUDA, HIP, MUSA and XPU share, the kernel a CUDA server runs; on an unknown "
-                               "platform it falls through and returns None (reached by topk > 1 trees: a chain "
-                               "plans its verify window while drafting)",
-    "rotary_embedding.base._is_cpu=True": "module flag: RoPE dispatches to SGLang's forward_native (no vllm "
-                                          "fallback import), as the model-level adapter",
-    "torch.compiler.set_stance('force_eager')": "process-wide: SGLang's torch.compile'd helpers "
-                                                "(spec_utils.py:437, layers/sampler.py:933) run their Python "
-                                                "bodies eagerly instead of an inductor C++ build",
+    "sglang.kernels.ops.speculative.spec_tree._is_xpu": (
+        "module flag of that module only: tree build (sgl_build_tree_kernel_triton) and greedy verify "
+        "(verify_tree_greedy_triton) run SGLang's Triton port shipped for Intel XPU instead of the CUDA-JIT "
+        "kernels, which are absent here: same operation and arguments, a different kernel"),
+    "sglang.kernels.ops.speculative.cache_locs._is_xpu": (
+        "module flag of that module only: verify's cache-location assignment (assign_extend_cache_locs[_uniform]) "
+        "takes the Triton branch that CUDA, HIP, MUSA and XPU share, the kernel a CUDA server runs; on an unknown "
+        "platform it falls through and returns None (reached by topk > 1 trees: a chain plans its verify window "
+        "while drafting)"),
+    "sglang.srt.layers.rotary_embedding.base._is_cpu": (
+        "module flag: RoPE dispatches to SGLang's forward_native (no vllm fallback import), as the model-level "
+        "adapter (runtime.py cpu_runtime_adjustments)"),
+    "torch.compiler.set_stance": (
+        "process-wide force_eager: SGLang's torch.compile'd helpers (spec_utils.py:437, layers/sampler.py:933) run "
+        "their Python bodies eagerly instead of an inductor C++ build"),
 }
 
 
@@ -58,13 +60,13 @@ def apply_shims() -> dict[str, str]:
 
     from conformance.adapters.sglang.runtime import cpu_runtime_adjustments
 
-    done = {k: f"{a} -> {b}" for k, (a, b) in cpu_runtime_adjustments().items()}
-    before, spec_tree._is_xpu = spec_tree._is_xpu, True
-    done["sglang.kernels.ops.speculative.spec_tree._is_xpu"] = f"{before} -> True"
-    before, cache_locs._is_xpu = cache_locs._is_xpu, True
-    done["sglang.kernels.ops.speculative.cache_locs._is_xpu"] = f"{before} -> True"
+    done = {"TRITON_INTERPRET=1": "interpreter on"}
+    done.update({k: f"{a} -> {b}" for k, (a, b) in cpu_runtime_adjustments().items()})
+    for module in (spec_tree, cache_locs):
+        before, module._is_xpu = module._is_xpu, True
+        done[f"{module.__name__}._is_xpu"] = f"{before} -> True"
     torch.compiler.set_stance("force_eager")
-    done["torch.compiler stance"] = "default -> force_eager"
+    done["torch.compiler.set_stance"] = "default -> force_eager"
     return done
 
 

@@ -105,7 +105,12 @@ def load_target(spec: TargetSpec, config_dir: Path, weights: dict[str, torch.Ten
 class SGLangTarget:
     def __init__(self, spec: TargetSpec, model, device: str = "cpu"):
         self.spec, self.model, self.device = spec, model, device
-        self.text = spec.text_config
+
+    @property
+    def text(self) -> dict:
+        """The text model's config; read when a forward needs it, so that a class built only for its
+        capture settings (settings.served_aux_layers) needs no fixture config."""
+        return self.spec.text_config
 
     @property
     def layers_to_capture(self) -> list[int]:

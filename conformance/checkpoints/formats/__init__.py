@@ -49,8 +49,9 @@ def config_format(raw: dict, file: Path, tensor_names: list[str] | None = None) 
             return eagle.NAME
         raise CheckpointError(file, "field architectures", "LlamaForCausalLM without draft_vocab_size: a target "
                                                            "model config, not an EAGLE-3 draft")
-    raise CheckpointError(file, "field architectures", f"{arch[0]} is not an EAGLE-3 draft (expected {EAGLE3_ARCH}, "
-                                                       "LlamaForCausalLM with draft_vocab_size, or speculators_model_type eagle3)")
+    raise CheckpointError(file, "field architectures",
+                          f"{arch[0]} is not an EAGLE-3 draft (expected {EAGLE3_ARCH}, "
+                          "LlamaForCausalLM with draft_vocab_size, or speculators_model_type eagle3)")
 
 
 def parse_config(raw: dict, file: Path, fmt: str | None = None, tensor_names: list[str] | None = None) -> ParsedConfig:

@@ -76,7 +76,7 @@ def parse_flat(raw: dict, file: Path, fmt: str, norm_output: NormOutput = plain_
     top_partial = raw.get("partial_rotary_factor", 1)
     if top_partial != knobs["partial_rotary_factor"]:
         notes.append(f"partial_rotary_factor {knobs['partial_rotary_factor']} is read from the RoPE block; SGLang "
-                     f"reads only the top-level key ({SGLANG_PARTIAL_ROTARY}) and rotates {top_partial} of each head")
+                     f"reads only the top-level key ({SGLANG_PARTIAL_ROTARY}), which gives {top_partial}")
     if format_checks is not None:
         format_checks(knobs, problems, notes)
     if raw.get("target_model_type"):

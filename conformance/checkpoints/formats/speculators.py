@@ -38,7 +38,8 @@ def parse(raw: dict, file: Path) -> ParsedConfig:
     spec = f.sub("speculators_config")
     if spec is not None:
         methods = spec.raw.get("proposal_methods") or [{}]
-        if isinstance(methods, list) and methods and isinstance(methods[0], dict) and "speculative_tokens" in methods[0]:
+        first = methods[0] if isinstance(methods, list) and methods else None
+        if isinstance(first, dict) and "speculative_tokens" in first:
             notes.append(f"trained with {methods[0]['speculative_tokens']} TTT steps (speculative_tokens)")
         verifier = spec.raw.get("verifier") or {}
         if isinstance(verifier, dict) and verifier.get("architectures"):
@@ -109,7 +110,7 @@ def config_json(cfg: Eagle3Config) -> dict:
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             # No verifier: the tiny draft carries its own embed_tokens and lm_head. Note that
             # speculators' Eagle3DraftModel.from_pretrained still calls AutoConfig.from_pretrained(None)
-            # in its load_verifier_weights override (core.py:174-180); see adapters/speculators.py.
+            # in its load_verifier_weights override (core.py:174-180); see adapters/speculators/adapter.py.
             "verifier": {"name_or_path": None, "architectures": ["LlamaForCausalLM"]},
         },
         "transformer_layer_config": layer_config(cfg),

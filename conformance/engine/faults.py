@@ -1,0 +1,70 @@
+"""Serving faults planted through SGLang's own mechanisms, each in an engine of its own: the engine lane
+must fail on each, its first divergence at the round, draft step and stage named here.
+
+- SGLANG_DEBUG_REVERT_PR=25015: SGLang's switch that puts PR 25015's bug back (draft-decode positions
+  advanced before the forward; srt/debug_utils/pr_fix_toggle.py);
+- sglang.srt.debug_utils.source_patcher configs (the format SGLang's switch uses) on the worker's
+  hand-off: the target's aux states captured from the wrong layers, and the recurrent hidden state fed
+  back to the next round's first decode pass from the wrong row of the draft extend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conformance.engine.scenarios import EngineGroup, Prompt, Scenario
+
+# SGLang's capture takes layer i's input as the output of layer i - 1, hence its +1 (models/llama.py:939-941).
+AUX_FROM_WRONG_LAYERS = """
+patches:
+  - target: sglang.srt.models.llama.LlamaForCausalLM.set_eagle3_layers_to_capture
+    edits:
+      - match: |
+          self.model.layers_to_capture = [val + 1 for val in layer_ids]
+        replacement: |
+          self.model.layers_to_capture = [val for val in layer_ids]
+"""
+
+# The draft extend after verify computes every verify row; the worker keeps the last accepted one's
+# hidden state for the next draft pass (speculative/eagle_worker_v2.py:1259-1262).
+HIDDEN_FROM_WRONG_ROW = """
+patches:
+  - target: sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode
+    edits:
+      - match: |
+          draft_logits_output.hidden_states = draft_logits_output.hidden_states[
+              select_index
+          ]
+        replacement: |
+          draft_logits_output.hidden_states = draft_logits_output.hidden_states[select_index - 1]
+"""
+
+# One request that the unfaulted lane serves too (chain_k3's batch scenario), with fewer new tokens.
+FAULT_PROMPT = Prompt(4, 2)
+
+
+@dataclass(frozen=True)
+class PlantedFault:
+    id: str
+    summary: str
+    group: EngineGroup
+    round: int      # where the lane must first diverge
+    step: int
+    stage: str
+
+
+def _group(fault_id: str, **planted) -> EngineGroup:
+    scenario = Scenario(fault_id, f"planted fault {fault_id}", ((FAULT_PROMPT,),), new_tokens=10)
+    return EngineGroup(fault_id, steps=3, topk=1, draft_tokens=4, scenarios=(scenario,), **planted)
+
+
+FAULTS = (
+    PlantedFault("revert_pr_25015", "SGLANG_DEBUG_REVERT_PR=25015: draft-decode positions advanced before the "
+                 "forward (SGLang PR 25015's bug, put back by SGLang's own switch)",
+                 _group("revert_pr_25015", env={"SGLANG_DEBUG_REVERT_PR": "25015"}), 0, 1, "positions"),
+    PlantedFault("aux_from_wrong_layers", "the target captures each aux state one layer shallower (SGLang's +1 "
+                 "dropped from set_eagle3_layers_to_capture)",
+                 _group("aux_from_wrong_layers", fault_yaml=AUX_FROM_WRONG_LAYERS), 0, 0, "aux_in"),
+    PlantedFault("hidden_from_wrong_row", "the draft extend after verify hands the next round the hidden state "
+                 "of the row before the last accepted one",
+                 _group("hidden_from_wrong_row", fault_yaml=HIDDEN_FROM_WRONG_ROW), 1, 1, "hidden_in"),
+)

@@ -1,0 +1,49 @@
+"""The engine lane's report rows (conformance/core/report.py Section.ENGINE*)."""
+from __future__ import annotations
+
+from conformance.adapters.sglang.engine_shims import SHIMS
+from conformance.core.report import Report, Section
+from conformance.engine.findings import RequestFinding
+from conformance.engine.lane import GroupRun
+
+
+def record_group(report: Report, run: GroupRun, recorded: set) -> None:
+    """Once per engine: the server arguments requested and as SGLang resolved them, the timings, and (once
+    per session) the shims with what each changes and what the scheduler process reported doing."""
+    if run.group.id in recorded:
+        return
+    recorded.add(run.group.id)
+    resolved = run.resolved
+    report.add_row(Section.ENGINE_SERVERS, {
+        "engine": run.group.id,
+        "requested (steps/topk/draft tokens)": f"{run.group.steps}/{run.group.topk}/{run.group.draft_tokens}",
+        "resolved (steps/topk/draft tokens)": "/".join(str(resolved.get(k)) for k in (
+            "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")),
+        "chunked prefill": resolved.get("chunked_prefill_size"), "overlap schedule off": resolved.get(
+            "disable_overlap_schedule"), "radix cache off": resolved.get("disable_radix_cache"),
+        "attention": resolved.get("attention_backend"), "page size": resolved.get("page_size"),
+        "planted": ", ".join(f"{k}={v}" for k, v in run.group.env.items()) or (
+            "source_patcher config" if run.group.fault_yaml else ""),
+        "engine start s": round(run.start_seconds, 1),
+        "serving s": ", ".join(f"{s.scenario.id} {s.seconds:.1f}" for s in run.scenarios.values()),
+        "error": run.error or ""})
+    if "shims" not in recorded and run.shims:
+        recorded.add("shims")
+        for name, what in SHIMS.items():
+            report.add_row(Section.ENGINE_SHIMS, {"shim": name, "what it changes": what,
+                                                  "in the scheduler": run.shims.get(name, "server argument")})
+
+
+def record_request(report: Report, scenario_id: str, finding: RequestFinding, new_tokens: int) -> None:
+    served, ref = finding.served_stats, finding.reference_stats(new_tokens)
+    first = None if finding.divergence is None else finding.divergence.first_divergence
+    meta = finding.request.served.meta
+    report.add_row(Section.ENGINE, {
+        "scenario": scenario_id, "request": finding.request.label, "cached tokens": meta.get("cached_tokens"),
+        "verify ct SGLang/ref": f"{served['verify_ct']}/{ref['verify_ct']}",
+        "histogram SGLang": str(served["histogram"]), "histogram ref": str(ref["histogram"]),
+        "accept length SGLang": served["accept_length"], "accept length ref": ref["accept_length"],
+        "lossless": finding.lossless_failure() is None,
+        "rounds conforming": f"{finding.conforming_rounds}/{len(finding.request.rounds)}",
+        "first divergence": "none" if first is None else
+        f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`"})

@@ -1,0 +1,221 @@
+"""The verdict as a user gets it: `pytest --draft-checkpoint=DIR` in a real subprocess, on planted drafts.
+
+Each problem class is one tiny draft trained with one knob SGLang serves differently (PLANTS in
+conformance/user/example_draft.py), written in SGLang's format so that nothing else is wrong with it:
+exit code 1, the verdict line, and the named cause (its registry entry, its file:line) and fix. A
+speculators-format directory fails with SGLang's own refusal as problem 1 and nothing else; a clean draft
+in every format SGLang reads as written exits 0 "served as trained"; bad input exits 4 with one line.
+The runs are independent subprocesses, two at a time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from conformance.user.example_draft import DROPPED_TENSOR, PLANTS, write_example
+from conformance.user.servable import conversion_findings, directory_problem
+from conformance.user.verdict import DIRECTORY, FORWARD, LOADING, OTHER, Problem, Verdict
+
+pytestmark = [pytest.mark.cpu, pytest.mark.meta]
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = 2
+HEADLINE = re.compile(r"^VERDICT: (served as trained|NOT served as trained: (\d+) problems?)$", re.M)
+
+
+def run_pytest(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """pytest as a user runs it, from the repository root, one thread per process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class Plant:
+    id: str
+    fmt: str
+    plant: str | None
+    exit: int
+    problems: int | None      # the exact count, when the draft has exactly one thing wrong
+    named: tuple[str, ...]    # what the verdict block must name: the cause's entry and file:line, the fix
+
+
+PLANTED = [
+    Plant("norm_before_residual", "sglang", "norm_before_residual", 1, 1,
+          ("sglang-residual-never-normed", "llama_eagle3.py:97-99", "stage `layers.0.residual`",
+           "retrain without it: norm_before_residual false")),
+    Plant("two_layers", "sglang", "two_layers", 1, None,
+          ("sglang-hidden-norm-on-later-layers", "llama_eagle3.py:103-105", "retrain without it: num_hidden_layers 1")),
+    Plant("attention_bias", "sglang", "attention_bias", 1, None,
+          ("sglang-qkv-bias-dropped", "llama_eagle3.py:67-75", "retrain without it: attention_bias false")),
+    Plant("sliding_window", "sglang", "sliding_window", 1, 1,
+          ("sglang-config-window-ignored", "llama_eagle3.py:286-299", "--speculative-draft-window-size 3")),
+    Plant("fc_skip", "sglang", "fc_skip", 1, 1,
+          ("sglang-fc-skipped-when-widths-coincide", "llama_eagle3.py:238", "1 * 40 == 40")),
+    Plant(DROPPED_TENSOR, "sglang", DROPPED_TENSOR, 1, None,
+          ("dropped silently: fc.bias", "llama_eagle3.py:363, 373", "speculators 0.9.0 cannot load this draft")),
+    Plant("speculators_format", "speculators", None, 1, 1,
+          ("1. SGLang cannot read this directory as written", "Unrecognized model in draft",
+           "transformers/models/auto/configuration_auto.py", "python -m conformance.user.convert draft draft-sglang")),
+]
+CLEAN = [Plant(f"clean_{fmt}", fmt, None, 0, 0, ()) for fmt in ("sglang", "sglang-legacy", "specforge")]
+CASES = PLANTED + CLEAN
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Future]:
+    """Every case's run, started at once, WORKERS at a time: (CompletedProcess, seconds)."""
+    root = tmp_path_factory.mktemp("verdict")
+    pool = ThreadPoolExecutor(WORKERS)
+
+    def run(case: Plant):
+        draft, _, _ = write_example(root / case.id, case.fmt, plant=case.plant)
+        start = time.perf_counter()
+        result = run_pytest(f"--draft-checkpoint={draft}")
+        return result, time.perf_counter() - start
+
+    futures = {case.id: pool.submit(run, case) for case in CASES}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def verdict_block(stdout: str) -> str:
+    return stdout[stdout.index("VERDICT: "):] if "VERDICT: " in stdout else ""
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_the_verdict_names_the_problem(case, runs):
+    result, seconds = runs[case.id].result()
+    out = result.stdout + result.stderr
+    assert result.returncode == case.exit, \
+        f"exit {result.returncode}, expected {case.exit} ({seconds:.0f} s):\n{out[-6000:]}"
+    heads = HEADLINE.findall(result.stdout)
+    assert len(heads) == 1, f"expected one verdict line:\n{out[-6000:]}"
+    if case.exit == 0:
+        assert heads[0][0] == "served as trained", heads
+        return
+    count = int(heads[0][1])
+    assert count >= 1 and (case.problems is None or count == case.problems), f"{heads[0][0]}:\n{verdict_block(out)}"
+    block = verdict_block(result.stdout)
+    for words in case.named:
+        assert words in block, f"{words!r} not in the verdict:\n{block}"
+    for n in range(1, count + 1):   # each problem numbered, with its five parts
+        item = block.split(f"\n{n}. ", 1)[1]
+        assert all(f"   {part}:" in item for part in ("where", "evidence", "cause", "fix")), item
+
+
+def test_bad_input_exits_4_with_one_line(tmp_path):
+    """A file no implementation can use: a NaN weight. A usage error before any check runs."""
+    draft, _, _ = write_example(tmp_path, "sglang")
+    weights = load_file(str(draft / "model.safetensors"))
+    weights["fc.weight"][1, 2] = float("nan")
+    save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    result = run_pytest(f"--draft-checkpoint={draft}")
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 4, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    assert len(lines) == 1 and "model.safetensors: tensor fc.weight: nan at index (1, 2)" in lines[0], lines
+
+
+def test_every_plant_is_checked():
+    assert {c.plant for c in PLANTED if c.plant} == set(PLANTS)
+
+
+# ---------------------------------------------------------------- the parts, in process
+
+def problem(key: str, rank: int = FORWARD, impl: str = "sglang", known: str = "", seen: str = "") -> Problem:
+    return Problem(f"what {key}", "where", "evidence", "cause", "fix", rank, key=key, impl=impl, known=known, seen=seen)
+
+
+def test_a_failed_check_that_named_no_problem_is_one():
+    verdict = Verdict()
+    verdict.failed["t.py::test_x"] = "AssertionError: boom"
+    verdict.finish()
+    assert verdict.headline() == "NOT served as trained: 1 problem" and not verdict.served
+    assert verdict.ordered()[0].rank == OTHER and verdict.ordered()[0].evidence == "AssertionError: boom"
+
+
+def test_one_cause_seen_by_several_checks_is_one_problem_and_ranks_order_them():
+    verdict = Verdict()
+    verdict.add(problem("entry", known="entry", seen="fp32/1-step"), "t::a")
+    verdict.add(problem("entry", known="entry", seen="bf16/1-step"), "t::b")
+    verdict.add(problem("directory", rank=DIRECTORY), "t::c")
+    verdict.finish()
+    first, second = verdict.to_json({})["problems"]
+    assert first["what"] == "what directory" and second["checks"] == ["t::a", "t::b"], (first, second)
+    assert second["evidence"] == "evidence; also in: bf16/1-step", second
+
+
+def test_an_unregistered_divergence_folds_into_its_implementations_loading_problem():
+    verdict = Verdict()
+    verdict.add(problem("sglang:forward:0:fc_out"), "t::a")
+    verdict.add(problem("sglang-registered", known="sglang-registered"), "t::b")
+    verdict.add(problem("sglang:accounting", rank=LOADING), "t::c")
+    verdict.finish()
+    kept = {p.key: p for p in verdict.ordered()}
+    assert set(kept) == {"sglang:accounting", "sglang-registered"}, kept
+    assert "then the forward departs at where" in kept["sglang:accounting"].evidence
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A speculators-format example and its conversion by the command the verdict names."""
+    from conformance.user.convert import main
+
+    root = tmp_path_factory.mktemp("conversion")
+    draft, _, _ = write_example(root / "in", "speculators")
+    assert main([str(draft), str(root / "sglang")]) == 0
+    return draft, root / "sglang"
+
+
+def test_the_named_conversion_makes_the_directory_servable(converted):
+    draft, out = converted
+    refused = directory_problem(draft, "speculators", draft.name)
+    assert refused is not None and "Unrecognized model" in refused.evidence, refused
+    assert directory_problem(out, "sglang", out.name) is None
+
+
+def test_an_original_eagle3_export_is_not_a_draft_class_sglang_builds(converted, tmp_path):
+    """SGLang reads an `architectures: [LlamaForCausalLM]` config fine, then would build a target model."""
+    _, out = converted
+    eagle = shutil.copytree(out, tmp_path / "eagle")
+    config = json.loads((eagle / "config.json").read_text())
+    (eagle / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    found = directory_problem(eagle, "eagle", eagle.name)
+    assert found is not None and "SGLang builds LlamaForCausalLM, not LlamaForCausalLMEagle3" in found.evidence, found
+    assert "python -m conformance.user.convert eagle eagle-sglang" in found.fix, found
+
+
+def test_the_conversion_check_names_what_a_conversion_lost(converted, tmp_path):
+    """A conversion that drops a norm tensor, shifts the aux ids and loses fc_norm: each one named."""
+    from conformance.checkpoints.directory import open_checkpoint
+    from conformance.loading.accounting import account
+    from conformance.user.trainer import resolve_trainer
+
+    draft, out = converted
+    trainer = resolve_trainer(open_checkpoint(draft))
+    good = {impl: account(impl, out) for impl in ("reference", "sglang")}
+    assert conversion_findings(draft, out, trainer, good) == []
+    bad = shutil.copytree(out, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]   # speculators' ids verbatim
+    config["fc_norm"] = False
+    (bad / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(bad / "model.safetensors"))
+    weights.pop("fc_norm.1.weight")
+    save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    accounts = {"reference": good["reference"], "sglang": account("sglang", bad)}
+    findings = conversion_findings(draft, bad, trainer, accounts)
+    text = "\n".join(findings)
+    assert "tensor fc_norm.1.weight: missing from the conversion" in text, text
+    assert "SGLang reads eagle_config ids [2, 4, 5]" in text and "so [1, 3, 4]" in text, text
+    assert "fc_norm: SGLang builds False, training has True" in text, text

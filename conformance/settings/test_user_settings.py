@@ -1,0 +1,132 @@
+"""Server flags on the user's draft (conformance/settings/user_settings.py): --sglang-args resolved by
+SGLang's own ServerArgs with the user's draft and a real target config.
+
+Each setting that changes what the draft computes is planted on its own and must come back as exactly
+that problem, with a cause that is a real line of the installed SGLang; the chain within the trained
+steps, at a context the draft covers, comes back clean; the seed's flags show the 16 -> 2 draft tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance.checkpoints.directory import open_checkpoint
+from conformance.settings.user_settings import CommandLineError, check_user_settings
+from fixtures.checkpoint import write_checkpoints
+from fixtures.real_configs import REAL_CONFIGS
+from fixtures.tiny import make_config, make_draft_weights
+
+pytestmark = pytest.mark.cpu
+LLAMA = REAL_CONFIGS / "target" / "meta-llama--Meta-Llama-3.1-8B.json"    # context 131072
+KIMI = REAL_CONFIGS / "target" / "moonshotai--Kimi-K2.5.json"             # context 262144
+SEED_ARGS = "--speculative-eagle-topk 1 --speculative-num-steps 1 --speculative-num-draft-tokens 16"
+CHAIN = "--speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4"   # 3 TTT steps
+LONG = 131072
+
+
+def user_draft(root: Path, edit_config=None, **knobs) -> tuple[Path, object]:
+    """(the directory SGLang reads, the user's checkpoint as given: speculators format, 3 TTT steps)."""
+    cfg = make_config(hidden_size=40, target_hidden_size=40, **{"max_position_embeddings": LONG, **knobs})
+    dirs = write_checkpoints(cfg, make_draft_weights(cfg, torch.Generator().manual_seed(0)), root)
+    if edit_config:
+        path = dirs["speculators"] / "config.json"
+        path.write_text(json.dumps(edit_config(json.loads(path.read_text()))))
+    return dirs["sglang"], open_checkpoint(dirs["speculators"])
+
+
+def settings(tmp_path, command_line, target=LLAMA, **draft):
+    served, checkpoint = user_draft(tmp_path / "draft", **draft)
+    return check_user_settings(command_line, served, target, checkpoint, tmp_path / "work")
+
+
+def assert_real_cause(problem) -> None:
+    """Every `sglang/...py:N` the cause names is a line of the installed package."""
+    import sglang
+
+    refs = re.findall(r"(sglang/[\w/]+\.py):(\d+)", problem.cause)
+    assert refs, f"{problem.key}: no SGLang file:line in the cause: {problem.cause}"
+    root = Path(sglang.__file__).parent.parent
+    for path, line in refs:
+        lines = (root / path).read_text().splitlines()
+        assert 0 < int(line) <= len(lines), f"{problem.key}: {path}:{line} is not a line of the installed file"
+
+
+def test_seed_flags_show_the_draft_tokens_reduced(tmp_path):
+    result = settings(tmp_path, SEED_ARGS)
+    found = {p.key: p for p in result.problems}
+    problem = found.get("settings:speculative_num_draft_tokens")
+    assert problem is not None, f"16 -> 2 draft tokens not reported: {[p.what for p in result.problems]}"
+    assert "16 asked, 2 served" in problem.what and "speculative_num_draft_tokens is adjusted" in problem.evidence
+    assert (result.requested["speculative_num_draft_tokens"], result.effective["speculative_num_draft_tokens"]) == \
+        (16, 2)
+    import sglang
+
+    path, line = re.search(r"(sglang/[\w/]+\.py):(\d+)", problem.cause).groups()
+    text = (Path(sglang.__file__).parent.parent / path).read_text().splitlines()[int(line) - 1]
+    assert "speculative_num_draft_tokens is adjusted" in text, f"{problem.cause} points at {text!r}"
+    assert "--speculative-num-steps 3 --speculative-num-draft-tokens 4" in problem.fix, problem.fix
+
+
+def test_chain_within_the_trained_steps_is_served_as_trained(tmp_path):
+    """Clean, and SGLang's resolution leaves this process's environment as it was (it writes switches
+    into os.environ; the next check must not see them)."""
+    before = dict(os.environ)
+    result = settings(tmp_path, CHAIN)
+    assert result.problems == [], [f"{p.what}: {p.evidence}" for p in result.problems]
+    assert result.effective["context_length"] == LONG
+    assert dict(os.environ) == before, "checking the settings changed os.environ"
+
+
+def _embed_trained(raw: dict) -> dict:
+    return {**raw, "embed_requires_grad": True}
+
+
+# (id, command line, draft knobs, the one problem expected)
+PLANTED = (
+    ("more_steps_than_trained", "--speculative-eagle-topk 1 --speculative-num-steps 5 --speculative-num-draft-tokens 6",
+     {}, "settings:speculative_num_steps"),
+    ("eagle_not_eagle3", CHAIN + " --speculative-algorithm EAGLE", {}, "settings:speculative_algorithm"),
+    ("window_flag_on_full_attention", CHAIN + " --speculative-draft-window-size 4", {},
+     "settings:speculative_draft_window_size"),
+    ("trained_window_without_flag", CHAIN, {"sliding_window": 4}, "settings:speculative_draft_window_size"),
+    ("trained_window_with_matching_flag", CHAIN + " --speculative-draft-window-size 3", {"sliding_window": 4},
+     "settings:speculative_draft_window_size"),
+    ("token_map", CHAIN + " --speculative-token-map hot.pt", {}, "settings:speculative_token_map"),
+    ("own_embedding_replaced", CHAIN, {"edit_config": _embed_trained}, "settings:embed_tokens"),
+    ("context_beyond_positions", CHAIN, {"max_position_embeddings": 2048}, "settings:context_length"),
+    ("rejection_sampling_pruned_vocab", CHAIN + " --speculative-use-rejection-sampling", {},
+     "settings:speculative_use_rejection_sampling"),
+)
+
+
+@pytest.mark.parametrize("command_line,draft,key", [pytest.param(c, d, k, id=i) for i, c, d, k in PLANTED])
+def test_each_setting_that_changes_the_draft_is_one_problem(command_line, draft, key, tmp_path):
+    result = settings(tmp_path, command_line, **draft)
+    assert [p.key for p in result.problems] == [key], [f"{p.key}: {p.what}" for p in result.problems]
+    problem = result.problems[0]
+    assert problem.what and problem.evidence and problem.fix, problem
+    assert_real_cause(problem)
+
+
+def test_context_is_sglangs_own_and_the_fix_clears_it(tmp_path):
+    """Kimi-K2.5 runs 262144 tokens; a 131072-position draft is refused by SGLang's own ModelConfig, and
+    the fix (--context-length) is served as trained."""
+    long = settings(tmp_path / "a", CHAIN, target=KIMI)
+    problem = {p.key: p for p in long.problems}.get("settings:context_length")
+    assert problem is not None and "262144" in problem.evidence and "refuses" in problem.evidence, long.problems
+    assert problem.fix == f"--context-length {LONG}", problem.fix
+    fixed = settings(tmp_path / "b", f"{CHAIN} {problem.fix}", target=KIMI)
+    assert fixed.problems == [], [p.what for p in fixed.problems]
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("command_line", ["--bogus-flag 3", "--speculative-num-steps three"])
+def test_bad_command_line_is_one_line(command_line, tmp_path):
+    with pytest.raises(CommandLineError) as caught:
+        settings(tmp_path, command_line)
+    assert str(caught.value).startswith("--sglang-args:") and "\n" not in str(caught.value), str(caught.value)

@@ -1,0 +1,97 @@
+"""Speed and memory of the user verdict (`pytest --draft-checkpoint=D ...`), measured, not asserted.
+
+Per draft shape (fixtures/real_shapes.py: tiny, Llama-3.1-8B, Kimi-K2.5) a draft is written in SGLang's
+format (the real shapes in bf16, drawn tensor by tensor as conformance/draft/real_size.py does) and the
+whole verdict runs as a user runs it, with the draft's real target config and a chain of server flags,
+in its own process: wall time and peak RSS (the child's own rusage, so nothing else in this process
+counts). The imports the verdict needs (torch, transformers, speculators, SGLang's models and runtime)
+are measured apart in a process that does only them; "after imports" is the difference.
+
+    OMP_NUM_THREADS=1 python -m pytest conformance/throughput/test_verdict_bench.py -m benchmark -s
+
+A shape whose draft would not fit in the memory available now is skipped with the figures that say so
+(the machine may be shared). Figures go to pytest-benchmark's extra_info (--benchmark-json) and stdout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance.checkpoints.directory import write_draft
+from conformance.draft.real_size import make_real_size_weights
+from fixtures.real_configs import REAL_CONFIGS
+from fixtures.real_shapes import SHAPES
+from fixtures.targets import TARGETS_BY_ID, write_target_config
+from fixtures.tiny import make_config, make_draft_weights
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_ARGS = "--speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4"
+TARGETS = {"llama31_8b": "meta-llama--Meta-Llama-3.1-8B.json", "kimi_k25": "moonshotai--Kimi-K2.5.json"}
+IMPORTS = ("import torch, transformers, speculators, sglang.srt.server_args, sglang.srt.models.registry, "
+           "sglang.srt.models.llama_eagle3; "
+           "from conformance.adapters.sglang.runtime import ensure_runtime; ensure_runtime()")
+# Copies of the bf16 weights the verdict may hold at once, for the memory check before a run.
+RESIDENT_COPIES = 3
+
+
+def measured(argv: list[str], env: dict) -> dict:
+    """Run argv in its own process: wall seconds, its peak RSS (GiB), exit code, the output's tail."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with proc.stdout:
+        out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)   # reaped here, not by Popen: its rusage is this child's alone
+    proc.returncode = code = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - start
+    return {"wall_s": round(wall, 1), "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2),
+            "exit": code, "tail": out.strip().splitlines()[-40:]}
+
+
+def write_user_draft(shape: str, root: Path) -> tuple[Path, Path, int]:
+    """(the draft in SGLang's format, its target config, the weight bytes)."""
+    cfg = make_config(**SHAPES[shape])
+    if shape == "tiny":
+        weights = make_draft_weights(cfg, torch.Generator().manual_seed(0))
+        target = write_target_config(TARGETS_BY_ID["llama"], root / "target") / "config.json"
+    else:
+        weights = make_real_size_weights(cfg, torch.Generator().manual_seed(0))
+        target = REAL_CONFIGS / "target" / TARGETS[shape]
+    size = sum(t.numel() * t.element_size() for t in weights.values())
+    return write_draft(cfg, weights, root / "draft", "sglang"), target, size
+
+
+def available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("shape", ["tiny", "llama31_8b", "kimi_k25"])
+def test_verdict_wall_time_and_peak_rss(shape, benchmark, tmp_path):
+    draft, target, size = write_user_draft(shape, tmp_path)
+    if size * RESIDENT_COPIES > available_bytes():
+        pytest.skip(f"{shape}: {size / 2**30:.1f} GiB of bf16 weights x {RESIDENT_COPIES} > "
+                    f"{available_bytes() / 2**30:.1f} GiB available now")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT)}
+    imports = measured([sys.executable, "-c", IMPORTS], env)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--draft-checkpoint={draft}",
+            f"--target-config={target}", f"--sglang-args={SGLANG_ARGS}", f"--report={tmp_path / 'report'}"]
+    verdict = benchmark.pedantic(measured, args=(argv, env), rounds=1, iterations=1)
+    headline = next((line for line in verdict["tail"] if line.startswith("VERDICT:")), "(no verdict line)")
+    figures = {"shape": shape, "weights_gib": round(size / 2**30, 2), "imports_s": imports["wall_s"],
+               "imports_peak_rss_gib": imports["peak_rss_gib"], "verdict_s": verdict["wall_s"],
+               "after_imports_s": round(verdict["wall_s"] - imports["wall_s"], 1),
+               "verdict_peak_rss_gib": verdict["peak_rss_gib"], "exit": verdict["exit"], "verdict": headline}
+    benchmark.extra_info.update(figures)
+    print("\n" + json.dumps(figures))
+    if verdict["exit"] not in (0, 1):   # 0/1 are verdicts; anything else means no verdict was measured
+        pytest.fail(f"{shape}: the verdict did not run (exit {verdict['exit']}):\n" + "\n".join(verdict["tail"]))
