@@ -128,7 +128,7 @@ class DraftAdapter(Protocol):
 
     name: ClassVar[str]                       # the adapter name: test ids, the registry, the report
     package: ClassVar[str | None]             # the distribution its version comes from (None: the reference)
-    checkpoint_format: ClassVar[str]          # the on-disk format it loads (fixtures/checkpoint.py FORMATS)
+    checkpoint_format: ClassVar[str]          # the on-disk checkpoint format it loads (conformance/checkpoints)
     claimed_stages: ClassVar[frozenset[str]]  # base stage names (without layers.i.) it exposes
     draft_group: ClassVar[int | None]         # requests per drafter call in the acceptance simulation
                                               # (None: a whole chunk at once)

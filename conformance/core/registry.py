@@ -37,7 +37,8 @@ AREAS = {   # area -> the fields that name its exact place and observed signatur
     "accounting": ("problem", "tensors"),  # the weight-accounting problem and the tensors it names
     "settings": ("setting",),            # the server setting the finding is about
 }
-OPTIONAL = {"settings": ("shown_by",)}   # another entry's id that shows the behaviour in a comparison
+OPTIONAL = {"settings": ("shown_by",),   # another entry's id that shows the behaviour in a comparison
+            "draft": ("neutral",)}       # {name: expression}: the overrides that make `when` false (neutralised)
 
 KNOBS = frozenset(f.name for f in dataclasses.fields(Eagle3Config))
 SERVER_FLAGS = ("speculative_draft_window_size",)   # the server flags a draft case may carry
@@ -84,6 +85,7 @@ class Known:
     tensors: tuple[str, ...] = ()
     setting: str | None = None
     shown_by: str | None = None
+    neutral: tuple[tuple[str, str], ...] = ()   # (knob or server flag, expression over the names), sorted
 
     @property
     def place(self) -> str:
@@ -146,7 +148,9 @@ def _check(item: dict, area: str, where: str, stage_ok) -> None:
             bad(field, f"{value!r} is not a step (an integer >= 0)")
         elif field == "tensors" and not (isinstance(value, list) and value and all(isinstance(t, str) for t in value)):
             bad(field, f"{value!r} is not a non-empty list of tensor-name patterns")
-        elif field not in ("step", "tensors") and field in item and not isinstance(value, str):
+        elif field == "neutral" and field in item:
+            _check_neutral(value, item["when"], area, bad)
+        elif field not in ("step", "tensors", "neutral") and field in item and not isinstance(value, str):
             bad(field, f"{value!r} is not a string")
     from conformance.adapters import ADAPTERS   # here, not at import: adapters may read the registry
 
@@ -178,6 +182,22 @@ def _check(item: dict, area: str, where: str, stage_ok) -> None:
         bad("setting", f"{item['setting']!r} is not a server setting the findings know")
 
 
+def _check_neutral(value, when: str, area: str, bad) -> None:
+    """A neutral is a non-empty table of knobs / server flags to expressions; one of them must be read by `when`."""
+    if not (isinstance(value, dict) and value):
+        bad("neutral", f"{value!r} is not a table of knob = \"expression\"")
+    for name, expr in value.items():
+        if name not in NAMES[area] or not isinstance(expr, str):
+            bad("neutral", f"{name} = {expr!r}: not a {area} knob or server flag set to an expression string")
+        try:
+            _compiled(expr, area)
+        except (SyntaxError, RegistryError) as exc:
+            bad("neutral", f"{name} = {expr!r}: {str(exc).splitlines()[0]}")
+    read = {n.id for n in ast.walk(ast.parse(when, mode="eval")) if isinstance(n, ast.Name)}
+    if not read & set(value):
+        bad("neutral", f"sets {sorted(value)}, none of which its condition reads, so it cannot make it false")
+
+
 def load_registry(path: Path = REGISTRY_FILE) -> tuple[Known, ...]:
     """Read and validate the registry; a problem raises RegistryError naming the file, entry and field."""
     try:
@@ -200,7 +220,8 @@ def load_registry(path: Path = REGISTRY_FILE) -> tuple[Known, ...]:
         if missing or extra:
             raise RegistryError(f"{where}: missing fields {missing}, unknown fields {extra} for area {area!r}")
         _check(item, area, where, stage_ok.get(area))
-        entries.append(Known(**{**item, "tensors": tuple(item.get("tensors", ()))}))
+        entries.append(Known(**{**item, "tensors": tuple(item.get("tensors", ())),
+                                "neutral": tuple(sorted(item.get("neutral", {}).items()))}))
     ids = [e.id for e in entries]
     if len(ids) != len(set(ids)):
         raise RegistryError(f"{path.name}: duplicate ids {sorted({i for i in ids if ids.count(i) > 1})}")
@@ -239,3 +260,30 @@ def for_case(impl: str, case: DraftCase, steps: int | None = None,
 def for_accounting(impl: str, case: DraftCase, registry: Sequence[Known] | None = None) -> tuple[Known, ...]:
     """The accounting entries and the load entries (a refusal is a load failure) that apply."""
     return applicable(("accounting", "load"), impl, case_names(case), registry)
+
+
+def neutralised(case: DraftCase, impl: str,
+                registry: Sequence[Known] | None = None) -> tuple[DraftCase, tuple[Known, ...]]:
+    """`case` with the `neutral` overrides of each load / draft entry of `impl` that applies to it, one entry at a
+    time (file order) until none applies, and the entries neutralised: a configuration on which `impl` has no
+    registered behaviour, so every stage must conform. RegistryError (naming the entry) when an applicable
+    entry has no neutral, or its neutral leaves its own condition true."""
+    applied: list[Known] = []
+    while known := for_case(impl, case, registry=registry):
+        entry = known[0]
+        where = f"{REGISTRY_FILE.name}: entry {entry.id}: field 'neutral'"
+        if not entry.neutral:
+            raise RegistryError(f"{where}: missing, so case {case.id}, which it applies to, cannot be made clean")
+        if entry in applied:
+            raise RegistryError(f"{where}: applies again to {case.id} after the neutrals of {[e.id for e in applied]}")
+        names = case_names(case)
+        values = {k: eval(_compiled(expr, entry.area), {"__builtins__": {}}, dict(names)) for k, expr in entry.neutral}
+        knobs = {**dict(case.overrides), **{k: v for k, v in values.items() if k in KNOBS}}
+        flags = {**dict(case.sglang_args), **{k: v for k, v in values.items() if k in SERVER_FLAGS}}
+        case = dataclasses.replace(
+            case, id=case.id if applied else f"{case.id}-neutral", overrides=tuple(sorted(knobs.items())),
+            sglang_args=tuple(sorted((k, v) for k, v in flags.items() if v is not None)))   # None: flag not given
+        if entry.condition_holds(case_names(case)):
+            raise RegistryError(f"{where}: {dict(entry.neutral)} leaves its condition true on {case.id}")
+        applied.append(entry)
+    return case, tuple(applied)

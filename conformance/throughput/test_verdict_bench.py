@@ -9,13 +9,14 @@ are measured apart in a process that does only them; "after imports" is the diff
 
     OMP_NUM_THREADS=1 python -m pytest conformance/throughput/test_verdict_bench.py -m benchmark -s
 
-A shape whose draft would not fit in the memory available now is skipped with the figures that say so
-(the machine may be shared). Figures go to pytest-benchmark's extra_info (--benchmark-json) and stdout.
+The verdict's address space is capped at the memory available when it starts, less 2 GiB (the machine
+may be shared): a shape that needs more fails with a MemoryError, and that is its figure. Figures go to pytest-benchmark's extra_info (--benchmark-json) and stdout.
 """
 from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -37,14 +38,20 @@ TARGETS = {"llama31_8b": "meta-llama--Meta-Llama-3.1-8B.json", "kimi_k25": "moon
 IMPORTS = ("import torch, transformers, speculators, sglang.srt.server_args, sglang.srt.models.registry, "
            "sglang.srt.models.llama_eagle3; "
            "from conformance.adapters.sglang.runtime import ensure_runtime; ensure_runtime()")
-# Copies of the bf16 weights the verdict may hold at once, for the memory check before a run.
-RESIDENT_COPIES = 3
+HEADROOM = 2 << 30   # bytes left to the rest of the machine when the verdict's address space is capped
 
 
-def measured(argv: list[str], env: dict) -> dict:
-    """Run argv in its own process: wall seconds, its peak RSS (GiB), exit code, the output's tail."""
+def measured(argv: list[str], env: dict, limit: int | None = None) -> dict:
+    """Run argv in its own process: wall seconds, its peak RSS (GiB), exit code, the output's tail.
+    `limit` caps its address space (bytes): a run that needs more fails with a MemoryError instead of
+    making the kernel kill processes of whoever shares the machine."""
+    def cap():
+        if limit:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=cap)
     with proc.stdout:
         out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)   # reaped here, not by Popen: its rusage is this child's alone
@@ -78,19 +85,18 @@ def available_bytes() -> int:
 @pytest.mark.parametrize("shape", ["tiny", "llama31_8b", "kimi_k25"])
 def test_verdict_wall_time_and_peak_rss(shape, benchmark, tmp_path):
     draft, target, size = write_user_draft(shape, tmp_path)
-    if size * RESIDENT_COPIES > available_bytes():
-        pytest.skip(f"{shape}: {size / 2**30:.1f} GiB of bf16 weights x {RESIDENT_COPIES} > "
-                    f"{available_bytes() / 2**30:.1f} GiB available now")
+    limit = available_bytes() - HEADROOM
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT)}
     imports = measured([sys.executable, "-c", IMPORTS], env)
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--draft-checkpoint={draft}",
             f"--target-config={target}", f"--sglang-args={SGLANG_ARGS}", f"--report={tmp_path / 'report'}"]
-    verdict = benchmark.pedantic(measured, args=(argv, env), rounds=1, iterations=1)
+    verdict = benchmark.pedantic(measured, args=(argv, env, limit), rounds=1, iterations=1)
     headline = next((line for line in verdict["tail"] if line.startswith("VERDICT:")), "(no verdict line)")
     figures = {"shape": shape, "weights_gib": round(size / 2**30, 2), "imports_s": imports["wall_s"],
                "imports_peak_rss_gib": imports["peak_rss_gib"], "verdict_s": verdict["wall_s"],
                "after_imports_s": round(verdict["wall_s"] - imports["wall_s"], 1),
-               "verdict_peak_rss_gib": verdict["peak_rss_gib"], "exit": verdict["exit"], "verdict": headline}
+               "verdict_peak_rss_gib": verdict["peak_rss_gib"], "address_space_cap_gib": round(limit / 2**30, 1),
+               "exit": verdict["exit"], "verdict": headline}
     benchmark.extra_info.update(figures)
     print("\n" + json.dumps(figures))
     if verdict["exit"] not in (0, 1):   # 0/1 are verdicts; anything else means no verdict was measured

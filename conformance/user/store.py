@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from conformance.adapters import ADAPTERS
 from conformance.checkpoints.directory import write_draft
 from conformance.checkpoints.hidden_states import TinyTarget, read_dump, uses_tiny_target
 from conformance.checkpoints.knobs import CONFIG_FILE
@@ -25,7 +26,6 @@ from reference.eagle3 import Eagle3Config
 
 SGLANG_FAMILY = ("sglang", "sglang-legacy", "specforge")   # formats SGLang loads as they are
 RANDOM_LENGTHS = (9, 5, 12)                 # token counts when no training data is given
-ACCOUNTED = (("reference", "speculators"), ("speculators", "speculators"), ("sglang", "sglang"))   # impl, format
 
 
 def used_samples(inputs: UserInputs) -> list[Sample]:
@@ -118,8 +118,8 @@ class UserDraftStore(DraftStore):
 
         if self._accounts is None:
             dirs = self.checkpoint(self.case)
-            self._accounts = {impl: account(impl, dirs[fmt], torch.float32, self.inputs.target)
-                              for impl, fmt in ACCOUNTED}
+            self._accounts = {impl: account(impl, dirs[adapter.checkpoint_format], torch.float32, self.inputs.target)
+                              for impl, adapter in ADAPTERS.items()}
         return self._accounts
 
     def report_rows(self) -> list[dict]:

@@ -16,8 +16,8 @@ import torch
 from conformance.adapters.base import Drafter, TimedPass, Trace, chain_drafter, installed_version
 from conformance.adapters.sglang import drafting, weights
 from conformance.adapters.sglang.recorder import Recorder, canonical_stages
-from conformance.adapters.sglang.runtime import WEIGHTS_FILE, attention_backend, ensure_runtime, forward_batch_on, \
-    forward_pass
+from conformance.adapters.sglang.runtime import attention_backend, ensure_runtime, forward_batch_on, forward_pass
+from conformance.checkpoints import WEIGHTS_FILE
 from conformance.core import stages
 from conformance.loading.accounting import Accounting
 from reference.eagle3 import DraftBatch, Eagle3Config

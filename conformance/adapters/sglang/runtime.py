@@ -15,7 +15,6 @@ ATTENTION_BACKEND = "torch_native"
 # On CUDA: SGLang's Triton attention, the GPU backend that needs no extra package (triton ships with
 # torch; flashinfer and fa3 are separate CUDA builds).
 GPU_ATTENTION_BACKEND = "triton"
-WEIGHTS_FILE = "model.safetensors"
 INIT_METHOD = "tcp://127.0.0.1:0"
 
 

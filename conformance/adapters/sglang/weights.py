@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from conformance.adapters.sglang.runtime import WEIGHTS_FILE
+from conformance.checkpoints import WEIGHTS_FILE
 from conformance.loading.accounting import Accounting, checkpoint_tensors, finite, rope_text, vocab_map
 
 # SGLang's rotary classes by the rope_type they implement (layers/rotary_embedding/).
