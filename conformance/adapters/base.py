@@ -131,6 +131,7 @@ class DraftAdapter(Protocol):
     checkpoint_format: ClassVar[str]          # the on-disk checkpoint format it loads (conformance/checkpoints)
     claimed_stages: ClassVar[frozenset[str]]  # base stage names (without layers.i.) it exposes
     draft_group: ClassVar[int | None]         # requests per drafter call in the acceptance simulation
+    silent_drop: ClassVar[str | None]         # where its loader skips a tensor it has no parameter for, without a word
                                               # (None: a whole chunk at once)
     serving_decode: ClassVar[bool]            # steps >= 1 query each request's last token only (a serving
                                               # DECODE over the cached keys), not every packed row (a TTT step)

@@ -38,7 +38,7 @@ AREAS = {   # area -> the fields that name its exact place and observed signatur
     "settings": ("setting",),            # the server setting the finding is about
 }
 OPTIONAL = {"settings": ("shown_by",),   # another entry's id that shows the behaviour in a comparison
-            "draft": ("neutral",)}       # {name: expression}: the overrides that make `when` false (neutralised)
+            "draft": ("neutral", "neutral_weights"), "load": ("neutral",)}   # what neutralises it: neutralised()
 
 KNOBS = frozenset(f.name for f in dataclasses.fields(Eagle3Config))
 SERVER_FLAGS = ("speculative_draft_window_size",)   # the server flags a draft case may carry
@@ -86,6 +86,7 @@ class Known:
     setting: str | None = None
     shown_by: str | None = None
     neutral: tuple[tuple[str, str], ...] = ()   # (knob or server flag, expression over the names), sorted
+    neutral_weights: tuple[str, ...] = ()       # stored tensor names (regexes, searched) set to ones instead
 
     @property
     def place(self) -> str:
@@ -150,7 +151,11 @@ def _check(item: dict, area: str, where: str, stage_ok) -> None:
             bad(field, f"{value!r} is not a non-empty list of tensor-name patterns")
         elif field == "neutral" and field in item:
             _check_neutral(value, item["when"], area, bad)
-        elif field not in ("step", "tensors", "neutral") and field in item and not isinstance(value, str):
+        elif field == "neutral_weights" and field in item and not (
+                isinstance(value, list) and value and all(isinstance(t, str) for t in value) and "neutral" not in item):
+            bad(field, f"{value!r} is not a non-empty list of tensor-name patterns (and not beside 'neutral')")
+        elif field not in ("step", "tensors", "neutral", "neutral_weights") and field in item and not isinstance(
+                value, str):
             bad(field, f"{value!r} is not a string")
     from conformance.adapters import ADAPTERS   # here, not at import: adapters may read the registry
 
@@ -164,7 +169,8 @@ def _check(item: dict, area: str, where: str, stage_ok) -> None:
         _compiled(item["when"], area)
     except (SyntaxError, RegistryError) as exc:
         bad("when", str(exc).splitlines()[0])
-    for field, patterns in (("message", [item.get("message")]), ("tensors", item.get("tensors", []))):
+    for field, patterns in (("message", [item.get("message")]), ("tensors", item.get("tensors", [])),
+                            ("neutral_weights", item.get("neutral_weights", []))):
         for pattern in filter(None, patterns):
             try:
                 re.compile(pattern)
@@ -221,7 +227,8 @@ def load_registry(path: Path = REGISTRY_FILE) -> tuple[Known, ...]:
             raise RegistryError(f"{where}: missing fields {missing}, unknown fields {extra} for area {area!r}")
         _check(item, area, where, stage_ok.get(area))
         entries.append(Known(**{**item, "tensors": tuple(item.get("tensors", ())),
-                                "neutral": tuple(sorted(item.get("neutral", {}).items()))}))
+                                "neutral": tuple(sorted(item.get("neutral", {}).items())),
+                                "neutral_weights": tuple(item.get("neutral_weights", ()))}))
     ids = [e.id for e in entries]
     if len(ids) != len(set(ids)):
         raise RegistryError(f"{path.name}: duplicate ids {sorted({i for i in ids if ids.count(i) > 1})}")
@@ -262,28 +269,37 @@ def for_accounting(impl: str, case: DraftCase, registry: Sequence[Known] | None 
     return applicable(("accounting", "load"), impl, case_names(case), registry)
 
 
-def neutralised(case: DraftCase, impl: str,
-                registry: Sequence[Known] | None = None) -> tuple[DraftCase, tuple[Known, ...]]:
-    """`case` with the `neutral` overrides of each load / draft entry of `impl` that applies to it, one entry at a
-    time (file order) until none applies, and the entries neutralised: a configuration on which `impl` has no
-    registered behaviour, so every stage must conform. RegistryError (naming the entry) when an applicable
-    entry has no neutral, or its neutral leaves its own condition true."""
+
+@dataclass(frozen=True)
+class Neutralised:
+    case: DraftCase                  # the case with the `neutral` knobs of its entries applied
+    entries: tuple[Known, ...]       # the entries neutralised, in the order applied
+    unit_weights: tuple[str, ...]    # the `neutral_weights` patterns: tensors to set to ones in its checkpoints
+
+
+def neutralised(case: DraftCase, impls: Sequence[str], registry: Sequence[Known] | None = None) -> Neutralised:
+    """`case` with each load / draft entry of `impls` that applies to it neutralised, one at a time until none is
+    left: by its `neutral` knobs, which must make its condition false, or by its `neutral_weights` (the knobs
+    stay; the store sets those tensors to ones, where the registered behaviour has no effect). No implementation
+    has registered behaviour left on the result: every stage must conform. RegistryError naming the entry when
+    one has neither, or its knobs leave its condition true."""
     applied: list[Known] = []
-    while known := for_case(impl, case, registry=registry):
+    while known := [e for impl in impls for e in for_case(impl, case, registry=registry)
+                    if not (e in applied and e.neutral_weights)]:
         entry = known[0]
         where = f"{REGISTRY_FILE.name}: entry {entry.id}: field 'neutral'"
-        if not entry.neutral:
-            raise RegistryError(f"{where}: missing, so case {case.id}, which it applies to, cannot be made clean")
         if entry in applied:
             raise RegistryError(f"{where}: applies again to {case.id} after the neutrals of {[e.id for e in applied]}")
+        if not (entry.neutral or entry.neutral_weights):
+            raise RegistryError(f"{where}: missing, so case {case.id}, which it applies to, cannot be made clean")
         names = case_names(case)
-        values = {k: eval(_compiled(expr, entry.area), {"__builtins__": {}}, dict(names)) for k, expr in entry.neutral}
+        values = {k: eval(_compiled(expr, entry.area), {"__builtins__": {}}, names) for k, expr in entry.neutral}
         knobs = {**dict(case.overrides), **{k: v for k, v in values.items() if k in KNOBS}}
         flags = {**dict(case.sglang_args), **{k: v for k, v in values.items() if k in SERVER_FLAGS}}
         case = dataclasses.replace(
             case, id=case.id if applied else f"{case.id}-neutral", overrides=tuple(sorted(knobs.items())),
             sglang_args=tuple(sorted((k, v) for k, v in flags.items() if v is not None)))   # None: flag not given
-        if entry.condition_holds(case_names(case)):
+        if entry.neutral and entry.condition_holds(case_names(case)):
             raise RegistryError(f"{where}: {dict(entry.neutral)} leaves its condition true on {case.id}")
         applied.append(entry)
-    return case, tuple(applied)
+    return Neutralised(case, tuple(applied), tuple(p for e in applied for p in e.neutral_weights))

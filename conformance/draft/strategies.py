@@ -4,16 +4,36 @@
 coincidence that decides SGLang's shape-conditional fc), vocab and draft vocab, every norm knob,
 1-3 layers, RoPE type and parameters, biases, tied embeddings, batch composition and a seed.
 Every draw carries a label, so a failing example prints as a readable configuration.
+
+`draw_example(data)` adds whether the example is to be clean, and `variants(case, clean)` turns the draw
+into the configurations to run: "clean" comes from the registry (each applicable entry's `neutral` knobs or
+`neutral_weights`, conformance/core/registry.py `neutralised`), never from a list of knobs kept here.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
+from pathlib import Path
 
+import torch
 from hypothesis import strategies as st
 
+from conformance.adapters import IMPLEMENTATIONS
+from conformance.core.harness import DraftStore
+from conformance.core.registry import Neutralised, RegistryError, for_case, neutralised
+from fixtures.checkpoint import edited_copy
 from fixtures.cases import DraftCase
 from fixtures.tiny import ROPE_SCALINGS
+from reference.eagle3 import Eagle3Config
+
+# Two clean draws in three: the drawn knobs rarely avoid every registered divergence on their own (SGLang's
+# alone: about 1 in 40).
+CLEAN = st.sampled_from([True, True, False])
+FLAGS = ("tie_word_embeddings", "norm_before_fc", "fc_norm", "norm_before_residual", "norm_output", "attention_bias",
+         "mlp_bias")
+
 
 def draw_case(data) -> DraftCase:
     d = data.draw
@@ -55,3 +75,70 @@ def draw_case(data) -> DraftCase:
     case_id = "hyp_" + hashlib.sha256(key.encode()).hexdigest()[:10]
     return DraftCase(case_id, tuple(sorted(overrides.items())), lengths=lengths, seed=seed,
                      summary="hypothesis example")
+
+
+def draw_example(data) -> tuple[DraftCase, bool]:
+    """A drawn case and whether the example is to be run clean (no registered divergence of any implementation)."""
+    case = draw_case(data)
+    return case, data.draw(CLEAN, label="clean (every registered divergence neutralised)")
+
+
+def variants(case: DraftCase, clean: bool) -> list[Neutralised]:
+    """The configurations an example runs: a clean example only its neutralised case; any other the case as
+    drawn and, when an implementation has registered behaviour on it, the neutralised case too, so the rest
+    of the draft is compared past the first registered divergence. The case as drawn is a Neutralised of nothing."""
+    neutral, drawn = neutralised(case, IMPLEMENTATIONS), Neutralised(case, (), ())
+    return [drawn] if not neutral.entries else [neutral] if clean else [drawn, neutral]
+
+
+def label(variant: Neutralised, drawn: DraftCase) -> str:
+    """What a variant is, for the report: as drawn, or which knobs / weights neutralised which entries."""
+    if not variant.entries:
+        clean = not any(for_case(impl, drawn) for impl in IMPLEMENTATIONS)
+        return "as drawn" + (" (no registered divergence)" if clean else "")
+    before = dict(drawn.overrides + drawn.sglang_args)
+    changed = [f"{k}={v}" for k, v in variant.case.overrides + variant.case.sglang_args if before.get(k, ...) != v]
+    changed += [f"/{p}/ = 1" for p in variant.unit_weights]
+    return f"neutralised {', '.join(changed)} ({', '.join(e.id for e in variant.entries)})"
+
+
+class NeutralStore(DraftStore):
+    """A DraftStore whose checkpoints of a neutralised case have its `neutral_weights` tensors set to ones, in
+    every format: the same draft for every implementation and the reference."""
+
+    def __init__(self, root: Path, device: str = "cpu"):
+        super().__init__(root, device)
+        self.unit_weights: dict[str, tuple[str, ...]] = {}
+
+    def use(self, variant: Neutralised) -> DraftCase:
+        self.unit_weights[variant.case.id] = variant.unit_weights
+        return variant.case
+
+    def checkpoint(self, case: DraftCase) -> dict[str, Path]:
+        paths, patterns = super().checkpoint(case), self.unit_weights.get(case.id)
+        if not patterns:
+            return paths
+        out = {}
+        for fmt, path in paths.items():
+            out[fmt] = self.root / f"{case.id}-unit-weights" / fmt
+            if not out[fmt].exists():
+                edited_copy(path, out[fmt], functools.partial(_set_ones, patterns=patterns, where=f"{case.id} ({fmt})"))
+        return out
+
+
+def _set_ones(weights: dict, patterns: tuple[str, ...], where: str) -> None:
+    for pattern in patterns:
+        names = [n for n in weights if re.search(pattern, n)]
+        if not names:
+            raise RegistryError(f"neutral_weights /{pattern}/ names no tensor of the checkpoint of {where}")
+        weights.update({n: torch.ones_like(weights[n]) for n in names})
+
+
+def describe(config: Eagle3Config) -> str:
+    """A one-line summary of a drawn configuration, for the report."""
+    c = config
+    rope = (c.rope_scaling or {}).get("rope_type", "default")
+    flags = [f for f in FLAGS if getattr(c, f)] + ([f"rope {rope}"] if rope != "default" else [])
+    return (f"{c.num_hidden_layers} layer(s), H {c.hidden_size}, aux {c.num_aux_hidden_states}x{c.target_hidden_size}, "
+            f"heads {c.num_attention_heads}/{c.num_key_value_heads}x{c.head_dim}, vocab {c.vocab_size}/"
+            f"{c.draft_vocab_size}" + "".join(f", {f}" for f in flags))

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
 from conformance.core import stages
 from conformance.adapters import ADAPTERS
@@ -132,11 +133,25 @@ def test_multistep_tree_row_slot_kv_explains_the_divergence(case, drafts, sglang
     assert cmp.first_divergence is None, cmp.message(repro)
 
 
+def eager_and_traced(compiled, args) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors a torch.compile'd function returns inside eager_tree_helpers(), and those torch.compile makes
+    of the same function: the graph dynamo captures, run by the aot_eager backend (inductor's C++ build would
+    take 17-34 s here). A body that computes otherwise when compiled (e.g. a branch on is_compiling()) differs."""
+    with eager_tree_helpers():
+        eager = compiled(*args)
+    traced = torch.compile(compiled.__wrapped__, dynamic=True, backend="aot_eager")(*args)
+    return tree_leaves(eager), tree_leaves(traced)
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 @pytest.mark.cpu
 @pytest.mark.meta
 def test_tree_helpers_run_eagerly_only_in_scope():
-    """eager_tree_helpers() is needed (SGLang's helper is torch.compile'd), runs SGLang's own function
-    body, and leaves torch.compile alone outside its scope."""
+    """eager_tree_helpers() is needed (SGLang's helper is torch.compile'd), computes what compiling that helper
+    computes, and leaves torch.compile alone outside its scope."""
     from sglang.srt.speculative import spec_utils
 
     compiled = spec_utils._select_top_k_tokens_later
@@ -145,11 +160,8 @@ def test_tree_helpers_run_eagerly_only_in_scope():
     B, k = 3, 2
     args = (1, torch.rand(B * k, k, generator=g), torch.randint(0, 50, (B * k, k), generator=g),
             torch.randn(B * k, 5, generator=g), torch.rand(B, k, generator=g), k)
-    with eager_tree_helpers():
-        got = spec_utils.select_top_k_tokens(*args)
-    want = compiled.__wrapped__(*args)
-    got, want = [*got[:3], *got[3]], [*want[:3], *want[3]]   # ids, hidden, scores, then the tree info
-    assert all(torch.equal(a, b) for a, b in zip(got, want)), "eager run differs from SGLang's function body"
+    eager, traced = eager_and_traced(compiled, args)   # ids, hidden, scores, then the tree info
+    assert same(eager, traced), "SGLang's tree helper run eagerly differs from the helper compiled"
 
     compiles = []
 
@@ -165,13 +177,26 @@ def test_tree_helpers_run_eagerly_only_in_scope():
     assert compiles, "eager_tree_helpers() left torch.compile disabled after its scope"
 
 
+@pytest.mark.cpu
+@pytest.mark.meta
+def test_eager_vs_compiled_check_catches_a_helper_that_computes_otherwise_when_compiled():
+    """The check above can fail: a planted compiled helper whose body takes another branch under torch.compile."""
+    @torch.compile(dynamic=True)
+    def planted(x):
+        return x + 1 if torch.compiler.is_compiling() else x
+
+    eager, traced = eager_and_traced(planted, (torch.ones(2),))
+    assert not same(eager, traced) and torch.equal(traced[0], eager[0] + 1), (eager, traced)
+
+
 # SGLang's own Triton kernels for the draft's KV layout, run by Triton's CPU interpreter in a fresh
 # process (TRITON_INTERPRET must be set before the kernels are defined), called as prepare_for_draft
 # (eagle_worker_common.py:290-299) and TritonMultiStepDraftBackend.common_template
 # (layers/attention/triton_backend.py:2595-2616) call them, page size 1.
 KERNEL_SCRIPT = """
 import json, sys, torch
-from sglang.kernels.ops.speculative.cache_locs import assign_draft_cache_locs_contiguous, generate_draft_decode_kv_indices
+from sglang.kernels.ops.speculative.cache_locs import (
+    assign_draft_cache_locs_contiguous, generate_draft_decode_kv_indices)
 from sglang.srt.utils import next_power_of_2
 job = json.load(sys.stdin)
 req_to_token, topk, steps = torch.tensor(job["req_to_token"], dtype=torch.int32), job["topk"], job["steps"]
@@ -179,14 +204,16 @@ seq_lens = torch.tensor(job["lengths"])
 bs, pool_len = seq_lens.numel(), req_to_token.shape[1]
 req_pool_indices = torch.arange(1, bs + 1)
 out_cache_loc = torch.zeros(bs * topk * steps, dtype=torch.int64)
-assign_draft_cache_locs_contiguous[(bs,)](req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, steps)
+assign_draft_cache_locs_contiguous[(bs,)](
+    req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, steps)
 kv_indices = torch.zeros(steps, bs * topk * pool_len, dtype=torch.int64)
 kv_indptr = torch.zeros(steps, bs * topk + 1, dtype=torch.int32)
 positions = seq_lens.repeat_interleave(topk)
 generate_draft_decode_kv_indices[(steps, bs, topk)](
     req_pool_indices, req_to_token, seq_lens, kv_indices, kv_indptr, positions, pool_len, kv_indices.shape[1],
     kv_indptr.shape[1], next_power_of_2(bs), next_power_of_2(steps), next_power_of_2(bs * topk), 1)
-reads = [[kv_indices[i, kv_indptr[i, j]:kv_indptr[i, j + 1]].tolist() for j in range(bs * topk)] for i in range(steps - 1)]
+reads = [[kv_indices[i, kv_indptr[i, j]:kv_indptr[i, j + 1]].tolist() for j in range(bs * topk)]
+         for i in range(steps - 1)]
 print(json.dumps({"out_cache_loc": out_cache_loc.tolist(), "reads": reads}))
 """
 
@@ -211,7 +238,8 @@ def test_tree_kv_layout_is_sglangs_kernels():
     kernels = json.loads(done.stdout.strip().splitlines()[-1])
 
     out_cache_loc, rows = draft_kv_layout(slots, lengths, topk, steps)
-    assert out_cache_loc.tolist() == kernels["out_cache_loc"], "draft write slots differ from assign_draft_cache_locs_contiguous"
+    assert out_cache_loc.tolist() == kernels["out_cache_loc"], (
+        "draft write slots differ from assign_draft_cache_locs_contiguous")
     for i, reads in enumerate(kernels["reads"]):
         for j, read in enumerate(reads):
             n = lengths[j // topk]

@@ -320,3 +320,81 @@ def test_readme_support_matrix_is_current():
     from conformance.core.support_matrix import README, readme_block
 
     assert readme_block() in README.read_text(), "README's support matrix is stale: run `make support-matrix`"
+
+
+# ---------------------------------------------------------------- neutrals (what the property tests apply)
+
+@pytest.fixture(scope="module")
+def neutral_store(tmp_path_factory):
+    from conformance.draft.strategies import NeutralStore
+
+    return NeutralStore(tmp_path_factory.mktemp("neutralised"))
+
+
+@pytest.mark.parametrize("entry", entries("draft", "load"), ids=by_id)
+def test_draft_and_load_entries_are_neutralised_by_their_neutral(entry, neutral_store):
+    """Every draft and load entry has a neutral, and on every case it applies to, in every dtype, the case with
+    every implementation's entries neutralised (as the property tests run it) no longer matches the entry: its
+    condition is false (a `neutral`) and its implementation conforms at every stage of two draft steps."""
+    from conformance.adapters import IMPLEMENTATIONS
+    from conformance.core.registry import case_names, neutralised
+
+    assert entry.neutral or entry.neutral_weights, f"{entry.id}: no neutral, so the property tests cannot clean it"
+    cases = [c for c in ALL_CASES if entry in for_case(entry.impl, c)]
+    assert cases, f"{entry.id}: applies to no case"
+    problems = []
+    for case in cases:
+        assert neutralised(case, [entry.impl], registry=(entry,)).entries == (entry,)   # its own neutral alone
+        variant = neutralised(case, IMPLEMENTATIONS)
+        if (entry.neutral_weights and entry not in variant.entries) or (
+                entry.neutral and entry.condition_holds(case_names(variant.case))):
+            problems.append(f"{entry.id}: still applies to {variant.case.id}")
+        for dtype_name in sorted(DTYPES):
+            try:
+                first = compare_with_reference(neutral_store, entry.impl, neutral_store.use(variant), dtype_name,
+                                               steps=2).first_divergence
+            except LoadFailed as exc:
+                problems.append(f"{entry.id}: {variant.case.id} in {dtype_name}: {exc}")
+                continue
+            if first is not None:
+                problems.append(f"{entry.id}: {variant.case.id} in {dtype_name} diverges at step {first.step} "
+                                f"`{first.stage}` (max abs {first.max_abs})")
+    assert not problems, "neutral does not neutralise:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("change", [{"neutral": ()}, {"neutral": (("norm_before_residual", "True"),)}],
+                         ids=["neutral_removed", "neutral_leaves_condition_true"])
+def test_a_registry_without_a_working_neutral_fails_the_property_tests_loudly(change, monkeypatch):
+    """The property tests draw clean configurations from the registry, not from a list of knobs: an entry whose
+    neutral is removed, or does not make its condition false, is a one-line RegistryError naming it."""
+    from conformance.draft.strategies import variants
+
+    case = CASES_BY_ID["norm_before_residual"]
+    real = next(e for e in REGISTRY if e.id == "sglang-residual-never-normed")
+    assert variants(case, clean=True)[0].entries == (real,)
+    monkeypatch.setattr(registry, "REGISTRY", tuple(dataclasses.replace(e, **change) if e is real else e
+                                                    for e in REGISTRY))
+    with pytest.raises(RegistryError) as info:
+        variants(case, clean=True)
+    message = str(info.value)
+    assert "\n" not in message and real.id in message and "neutral" in message, message
+
+
+@pytest.mark.parametrize("field,value", [
+    ("neutral", '"mlp_bias"'),
+    ("neutral", '{ no_such_knob = "1" }'),
+    ("neutral", '{ mlp_bias = "__import__(1)" }'),
+    ("neutral", '{ mlp_bias = false }'),
+    ("neutral", '{ attention_bias = "False" }'),
+    ("neutral_weights", '["(unclosed"]'),
+    ("neutral_weights", '[]'),
+], ids=["not_a_table", "unknown_knob", "call", "not_an_expression", "not_read_by_the_condition", "bad_regex",
+        "empty_weights"])
+def test_a_malformed_neutral_is_a_one_line_error(field, value, tmp_path: Path):
+    path = tmp_path / "registry.toml"
+    path.write_text(f'[[known]]\narea="draft"\n{ENTRY}when="mlp_bias"\nstep=0\nstage="layers.0.mlp_out"\n'
+                    f"{field} = {value}\n")
+    with pytest.raises(RegistryError) as info:
+        load_registry(path)
+    message = str(info.value)
+    assert "\n" not in message and path.name in message and f"'{field}'" in message, message

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from conformance.adapters import ADAPTERS
 from conformance.core import matching, registry
 from conformance.core.compare import MISSING, Comparison
 from conformance.core.tolerances import dtype_name
@@ -48,11 +49,6 @@ FIXES = {
         "speculators 0.9.0 never ties",
 }
 UNKNOWN_FIX = "none known: not a registered divergence; report it with report.json"
-# Where each loader leaves a checkpoint tensor with no parameter, without a word.
-SILENT_DROP = {"sglang": "load_weights loads a tensor only `if param_name in params_dict` "
-                         "(sglang/srt/models/llama_eagle3.py:363, 373) and skips the rest without a word",
-               "reference": "the reference's forward never reads it (reference/eagle3.py)"}
-
 
 def fix_for(entry: registry.Known, cfg: Eagle3Config) -> str:
     text = getattr(entry, "fix", None) or FIXES.get(entry.id)
@@ -122,7 +118,7 @@ def accounting_problems(impl: str, cfg: Eagle3Config, known, acct) -> list[Probl
                            LOADING, key=entry.id, known=entry.id, impl=impl))
     if unexplained:
         dropped = [u.split(": ", 1)[1] for u in unexplained if u.startswith("dropped silently")]
-        cause = SILENT_DROP.get(impl, "the loader's own behaviour") if dropped else \
+        cause = (ADAPTERS[impl].silent_drop or "the loader's own behaviour") if dropped else \
             "not a registered divergence: the accounting names the parameters"
         fix = (f"{RETRAIN} ({', '.join(dropped)}); or delete the tensor if training did not use it" if dropped
                else UNKNOWN_FIX)

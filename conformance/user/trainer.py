@@ -19,13 +19,13 @@ TRAINERS = ("speculators", "specforge", "eagle3")
 CHOICES = ("auto", *TRAINERS)
 
 # What each trainer's ids mean and its default list for an N-layer target, in the training convention.
-MEANING = {
+TRAINER_MEANING = {
     "speculators": "input of layer i, 0 = embeddings (speculators models/utils.py:110-116)",
     "specforge": "output of layer i (SpecForge algorithms/model_providers.py:188-211)",
     "eagle3": "input of layers {2, N//2, N-3}, hard-coded (EAGLE modeling_llama_kv.py:1139-1140)",
     None: "SGLang's eagle_config convention, output of layer i (spec_aux_hidden_state.py:185-196)",
 }
-DETECTED_FROM = {
+TRAINER_DETECTED_FROM = {
     "speculators": f"{CONFIG_FILE}: speculators_model_type",
     "eagle3": f"{CONFIG_FILE}: architectures LlamaForCausalLM with draft_vocab_size (the original EAGLE-3 export)",
     "specforge": "tensor names midlayer.* without SGLang's legacy use_aux_norm (SpecForge's export)",
@@ -48,7 +48,7 @@ class Trainer:
 
     @property
     def meaning(self) -> str:
-        return MEANING[self.name]
+        return TRAINER_MEANING[self.name]
 
     def training_ids(self, num_layers: int | None = None) -> tuple[int, ...] | None:
         """The target layers training read (input of layer i); None when that needs the target's
@@ -94,7 +94,7 @@ def resolve_trainer(ckpt: DraftCheckpoint, option: str | None = "auto") -> Train
         name, source = option, "stated by --trainer"
     elif ckpt.format in FORMAT_TRAINER:
         name = FORMAT_TRAINER[ckpt.format]
-        source = f"detected: {DETECTED_FROM[name]}"
+        source = f"detected: {TRAINER_DETECTED_FROM[name]}"
     else:
         name, source = None, f"{ckpt.format} format does not say; state it with --trainer"
     return Trainer(name, source, stored, where, tuple(parsed) if parsed else None)

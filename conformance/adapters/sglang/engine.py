@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,20 +80,52 @@ class Served:
     meta: dict             # SGLang's meta_info: spec_verify_ct, spec_accept_length, histogram, ...
 
 
+class EngineFailed(RuntimeError):
+    """A spawned SGLang process failed (it sent SIGQUIT to this process)."""
+
+
+def sigquit_during_launch(signum, frame):
+    """SGLang's `custom_sigquit_handler` while the engine starts. Its default kills the whole process tree,
+    this test session included; raising here fails only the engine's start (ServedEngine cleans up)."""
+    raise EngineFailed("an SGLang process failed while the engine started (SIGQUIT from a child)")
+
+
 class ServedEngine:
     """A started engine with its capture directory; `generate`, then `shutdown` (always)."""
 
     def __init__(self, target_dir: Path, draft_dir: Path, capture_dir: Path, server_args: dict,
                  env: dict[str, str] | None = None, fault_yaml: str | None = None):
+        from sglang.srt.utils import kill_process_tree
+
         self.capture_dir = capture_dir
         self.requested = dict(server_args)
+        self.failed: str | None = None
         start = time.perf_counter()
-        with launch_environment({"TRITON_INTERPRET": "1", **(env or {})}):
-            self.engine = shimmed_engine_class()(
-                capture_dir=str(capture_dir), fault_yaml=fault_yaml, model_path=str(target_dir),
-                speculative_draft_model_path=str(draft_dir), **BASE_ARGS, **server_args)
+        try:
+            with launch_environment({"TRITON_INTERPRET": "1", **(env or {})}):
+                self.engine = shimmed_engine_class()(
+                    capture_dir=str(capture_dir), fault_yaml=fault_yaml, model_path=str(target_dir),
+                    speculative_draft_model_path=str(draft_dir), custom_sigquit_handler=sigquit_during_launch,
+                    **BASE_ARGS, **server_args)
+        except BaseException:
+            kill_process_tree(os.getpid(), include_parent=False)   # what Engine.shutdown does
+            raise
+        finally:
+            signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+        # Once running, SGLang's tokenizer manager answers a child's SIGQUIT by killing the process tree
+        # (tokenizer_manager.py:4072-4081). Instead: stop the event loop, so that the request in flight
+        # fails with EngineFailed and the caller shuts the engine down.
+        self.loop = self.engine.tokenizer_manager.event_loop
+        if self.loop is None:   # SGLang installs its handler when it makes the loop (on first use otherwise)
+            self.engine.tokenizer_manager.auto_create_handle_loop()
+            self.loop = self.engine.tokenizer_manager.event_loop
+        self.loop.add_signal_handler(signal.SIGQUIT, self._child_failed)
         self.start_seconds = time.perf_counter() - start
         self.generate_seconds = 0.0
+
+    def _child_failed(self) -> None:
+        self.failed = "an SGLang process failed while serving (SIGQUIT from a child)"
+        self.loop.stop()
 
     def resolved(self) -> dict:
         """The server arguments as SGLang resolved them: what the running engine reports (the
@@ -107,12 +140,18 @@ class ServedEngine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[Served]:
         """Greedy generations of `prompts`, submitted together (one batch when they fit)."""
         start = time.perf_counter()
-        outs = self.engine.generate(input_ids=prompts, sampling_params={
-            "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True})
+        try:
+            outs = self.engine.generate(input_ids=prompts, sampling_params={
+                "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True})
+        except RuntimeError as exc:
+            if self.failed:
+                raise EngineFailed(self.failed) from exc
+            raise
         self.generate_seconds += time.perf_counter() - start
         return [Served(list(p), list(o["output_ids"]), dict(o["meta_info"])) for p, o in zip(prompts, outs)]
 
     def shutdown(self) -> None:
+        self.loop.remove_signal_handler(signal.SIGQUIT)
         self.engine.shutdown()
 
 

@@ -42,6 +42,7 @@ class SpeculatorsAdapter:
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST) - NOT_OBSERVABLE
     draft_group: ClassVar[int | None] = 8   # its CPU attention is dense over the packed batch (a dense TTT mask)
     serving_decode: ClassVar[bool] = False
+    silent_drop: ClassVar[str | None] = None   # its loading is checked tensor by tensor: a drop is a refusal
 
     @classmethod
     def version(cls) -> str | None:
