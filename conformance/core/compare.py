@@ -14,7 +14,7 @@ import torch
 
 from conformance.core import stages as S
 from conformance.adapters.base import Trace
-from conformance.core.tolerances import Tol, dtype_name, tol_for
+from conformance.core.tolerances import Tol, allowed_error, dtype_name, tol_for
 
 OK, DIVERGED, MISSING, ABSENT = "ok", "diverged", "missing", "absent"
 
@@ -31,7 +31,10 @@ class StageResult:
     mismatched: int = 0
     numel: int = 0
     tol: Tol | None = None
-    floor: float = 0.0                # the stage's noise floor (reference in this dtype vs fp64)
+    bound: str = ""                   # how the allowed error was made (conformance/core/tolerances.py)
+    allowed: float | None = None      # the allowed error at the max abs error's element
+    excess: float | None = None       # the largest error / allowed error, and where
+    excess_index: tuple | None = None
     detail: str = ""                  # shape mismatch, excused ties, ...
 
     @property
@@ -79,10 +82,10 @@ class Comparison:
         elif first.detail and first.max_abs is None:
             body = f"  {first.detail}"
         else:
-            body = (f"  max abs error {first.max_abs:.3e} at {first.abs_index}, max rel error {first.max_rel:.3e} "
-                    f"at {first.rel_index} (allowed: atol={first.tol.atol:g} + rtol={first.tol.rtol:g}*|ref|"
-                    f"{f' + {first.tol.noise:g}*noise floor {first.floor:.3e}' if first.tol.noise else ''}); "
-                    f"{first.mismatched}/{first.numel} elements out of tolerance")
+            body = (f"  max abs error {first.max_abs:.3e} at {first.abs_index} (allowed there {first.allowed:.3e}), "
+                    f"max rel error {first.max_rel:.3e} at {first.rel_index}; error/allowed up to {first.excess:.3g} "
+                    f"at {first.excess_index}; {first.mismatched}/{first.numel} elements out of tolerance\n"
+                    f"  allowed: {first.bound}")
             if first.detail:
                 body += f"\n  {first.detail}"
         return f"{head}\n{body}\n{self.table()}\n  repro: {repro}"
@@ -92,12 +95,31 @@ def _index(flat_index: int, shape: torch.Size) -> tuple:
     return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), shape))
 
 
-def compare_tensors(step: int, stage: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
-                    expected_logits: torch.Tensor | None = None, precise: torch.Tensor | None = None) -> StageResult:
-    """Compare one stage.
+def _ties(stage: str, actual: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Positions whose reference logits cannot order the ids within the logits' allowed error: the top two
+    are closer than their two allowed errors; for draft_ids (which index the logits) the drafted id must
+    itself be that close to the top."""
+    logits, allowed = logits.double(), allowed.double()
+    top = logits.topk(2, dim=-1)
+    room = allowed.gather(-1, top.indices)
+    if stage != "draft_ids":
+        return (top.values[..., 0] - top.values[..., 1]) <= room[..., 0] + room[..., 1]
+    ids = actual.long()
+    valid = (ids >= 0) & (ids < logits.shape[-1])
+    ids = ids.where(valid, torch.zeros_like(ids)).unsqueeze(-1)
+    gap = top.values[..., 0] - logits.gather(-1, ids)[..., 0]
+    return valid & (gap <= room[..., 0] + allowed.gather(-1, ids)[..., 0])
 
-    `expected_logits` (the reference's) lets id stages excuse unresolvable ties; `precise` (the same
-    stage from the fp64 reference) sets the noise floor of low-precision dtypes.
+
+def compare_tensors(step: int, stage: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+                    expected_logits: torch.Tensor | None = None, precise: torch.Tensor | None = None, *,
+                    same: torch.Tensor | None = None, depth: int = 1,
+                    logits_allowed: torch.Tensor | None = None) -> StageResult:
+    """Compare one stage: |actual - expected| <= the allowed error of conformance/core/tolerances.py, per element.
+
+    `precise` (the stage from the fp64 reference), `same` (from the reference in `dtype`) and `depth` feed
+    the error model. For id stages, `expected_logits` (the reference's) and `logits_allowed` (their allowed
+    error) excuse ties the dtype cannot resolve.
     """
     kind = S.stage_kind(stage)
     tol = tol_for(kind, dtype)
@@ -108,50 +130,66 @@ def compare_tensors(step: int, stage: str, actual: torch.Tensor, expected: torch
         wrong = actual.cpu() != expected.cpu()
         detail = ""
         if expected_logits is not None and wrong.any():
-            top2 = expected_logits.double().topk(2, dim=-1).values
-            tie = (top2[..., 0] - top2[..., 1]) <= 2 * tol_for("logits", dtype).atol
+            if logits_allowed is None:
+                logits_allowed = allowed_error(tol_for("logits", dtype), dtype, expected_logits)[0]
+            tie = _ties(stage, actual.cpu(), expected_logits.cpu(), logits_allowed)
             excused = int((wrong & tie).sum())
             wrong &= ~tie
             if excused:
-                detail = f"{excused} mismatch(es) excused: reference top-2 logits within 2*atol(logits)"
+                detail = (f"{excused} mismatch(es) excused: the reference's logits cannot order those ids within "
+                          "their allowed error")
         n = int(wrong.sum())
         idx = _index(int(wrong.flatten().nonzero()[0]), wrong.shape) if n else None
         return StageResult(step, stage, DIVERGED if n else OK, max_abs=float(n),
                            max_rel=float(n) / max(wrong.numel(), 1), abs_index=idx, rel_index=idx, mismatched=n,
                            numel=wrong.numel(), tol=tol, detail=detail)
     a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
-    floor = 0.0
-    if tol.noise and precise is not None and precise.shape == expected.shape:
-        floor = float((e - precise.detach().cpu().double()).abs().max())
-    # The pass mask is torch's own (|a - e| <= atol + rtol*|e|, NaN never close); the errors below only
-    # say how far and where.
-    bad = ~torch.isclose(a, e, rtol=tol.rtol, atol=tol.atol + tol.noise * floor)
+    allowed, bound = allowed_error(tol, dtype, expected, precise, same, depth)
     diff = (a - e).abs()
     diff = torch.where(torch.isnan(a) | torch.isnan(e), torch.full_like(diff, float("inf")), diff)
-    rel = diff / e.abs()
-    rel = torch.where(diff == 0, torch.zeros_like(rel), rel)
+    bad = ~(diff <= allowed)   # element-wise; NaN never passes
+    rel = torch.where(diff == 0, torch.zeros_like(diff), diff / e.abs())
+    excess = torch.where(diff == 0, torch.zeros_like(diff), diff / allowed)
     n = int(bad.sum())
-    ia, ir = int(diff.flatten().argmax()), int(rel.flatten().argmax())
+    ia, ir, ix = (int(t.flatten().argmax()) for t in (diff, rel, excess))
     return StageResult(step, stage, DIVERGED if n else OK, max_abs=float(diff.flatten()[ia]),
                        max_rel=float(rel.flatten()[ir]), abs_index=_index(ia, diff.shape),
-                       rel_index=_index(ir, rel.shape), mismatched=n, numel=diff.numel(), tol=tol, floor=floor)
+                       rel_index=_index(ir, rel.shape), mismatched=n, numel=diff.numel(), tol=tol, bound=bound,
+                       allowed=float(allowed.flatten()[ia]), excess=float(excess.flatten()[ix]),
+                       excess_index=_index(ix, excess.shape))
+
+
+def _rows(trace: Trace | None, step: int, stage: str, rows: torch.Tensor | None) -> torch.Tensor | None:
+    got = None if trace is None else trace.get(step, stage)
+    return None if got is None else (got[0] if rows is None else got[0][rows])
 
 
 def compare_traces(actual: Trace, expected: Trace, case_id: str, steps: int | None = None,
-                   precise: Trace | None = None) -> Comparison:
+                   precise: Trace | None = None, same: Trace | None = None) -> Comparison:
     """Walk every (step, stage) of `expected`'s layers in forward order; a stage `actual` lacks is
     missing when its base name is in `actual.claimed_stages`, else absent.
 
-    `expected` is the reference in `actual`'s dtype; `precise`, the reference in fp64, gives the
-    noise floor for dtypes whose tolerance has a noise term.
+    `expected` is the reference `actual` is compared against (conformance/core/tolerances.py AGAINST);
+    `precise`, the reference in fp64, and `same`, the reference in `actual`'s dtype (default: `expected`
+    when it is in that dtype), feed the error model; the depth it needs is counted here.
     """
-    cmp = Comparison(impl=actual.impl, against=expected.impl, case_id=case_id, dtype=actual.dtype,
-                     notes=list(actual.notes))
+    against = expected.impl if expected.dtype == actual.dtype else f"{expected.impl} ({dtype_name(expected.dtype)})"
+    cmp = Comparison(impl=actual.impl, against=against, case_id=case_id, dtype=actual.dtype, notes=list(actual.notes))
+    if same is None and expected.dtype == actual.dtype:
+        same = expected
+    depth = 0
     for step in range(steps if steps is not None else len(expected.steps)):
+        logits_allowed = None
         for stage in S.stage_names(expected.num_layers):
             ref = expected.get(step, stage)
             if ref is None:
                 continue
+            kind = S.stage_kind(stage)
+            depth += kind != "ids"
+            if stage == "logits":   # whether or not `actual` has logits: its ids' ties need them
+                logits_allowed = allowed_error(tol_for(kind, actual.dtype), actual.dtype, ref[0],
+                                               _rows(precise, step, stage, None), _rows(same, step, stage, None),
+                                               depth)[0]
             got = actual.get(step, stage)
             base = stage.rsplit(".", 1)[-1]
             if got is None:
@@ -160,11 +198,11 @@ def compare_traces(actual: Trace, expected: Trace, case_id: str, steps: int | No
                 continue
             tensor, rows = got
             ref_tensor = ref[0] if rows is None else ref[0][rows]
-            exact = precise.get(step, stage) if precise is not None else None
-            exact_tensor = None if exact is None else (exact[0] if rows is None else exact[0][rows])
-            ref_logits = None
-            if S.stage_kind(stage) == "ids" and stage != "input_ids":
-                logits = expected.get(step, "logits")
-                ref_logits = None if logits is None else (logits[0] if rows is None else logits[0][rows])
-            cmp.results.append(compare_tensors(step, stage, tensor, ref_tensor, actual.dtype, ref_logits, exact_tensor))
+            ref_logits = room = None
+            if kind == "ids" and stage != "input_ids":
+                ref_logits = _rows(expected, step, "logits", rows)
+                room = None if logits_allowed is None else (logits_allowed if rows is None else logits_allowed[rows])
+            cmp.results.append(compare_tensors(
+                step, stage, tensor, ref_tensor, actual.dtype, ref_logits, _rows(precise, step, stage, rows),
+                same=_rows(same, step, stage, rows), depth=depth, logits_allowed=room))
     return cmp

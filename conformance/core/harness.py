@@ -17,7 +17,7 @@ from conformance.core.common import first_line
 from conformance.core.matching import KnownDivergenceHit  # noqa: F401  (tests import it from here)
 from conformance.core.matching import known_param, match_forward, match_load, settle
 from conformance.core.registry import for_case
-from conformance.core.tolerances import DTYPES
+from conformance.core.tolerances import AGAINST, DTYPES
 from fixtures.cases import DraftCase
 from fixtures.checkpoint import write_checkpoints
 from fixtures.tiny import make_batch, make_draft_weights
@@ -88,12 +88,14 @@ def conformance_params(impls, dtype_names, cases, extra_id: str = "", steps: int
 
 def compare_with_reference(drafts: DraftStore, impl: str, case: DraftCase, dtype_name: str, steps: int = 1,
                            teacher_forced: bool = True) -> Comparison:
-    """`impl` against the reference in the same dtype (fp64 reference for the noise floor); raises LoadFailed."""
+    """`impl` against the reference in the dtype tolerances.AGAINST names for it (bf16: fp64), with the fp64
+    reference and the reference in `impl`'s dtype for the error model; raises LoadFailed."""
     dtype = DTYPES[dtype_name]
     actual = drafts.trace(impl, case, dtype, steps, teacher_forced)
-    expected = drafts.trace("reference", case, dtype, steps, teacher_forced)
+    same = drafts.trace("reference", case, dtype, steps, teacher_forced)
     precise = drafts.trace("reference", case, torch.float64, steps, teacher_forced)
-    return compare_traces(actual, expected, case.id, precise=precise)
+    expected = precise if AGAINST[dtype] == torch.float64 else same
+    return compare_traces(actual, expected, case.id, precise=precise, same=same)
 
 
 def assert_conforms(drafts: DraftStore, report, impl: str, case: DraftCase, dtype_name: str, nodeid: str,

@@ -79,6 +79,11 @@ def measured(argv: list[str], env: dict, limit: int | None = None) -> dict:
             "over_limit": over, "tail": out.strip().splitlines()[-40:]}
 
 
+WRITER = ("import json, sys; from pathlib import Path; "
+          "from conformance.throughput.test_verdict_bench import write_user_draft as w; "
+          "d, t, n = w(sys.argv[1], Path(sys.argv[2])); print(json.dumps([str(d), str(t), n]))")
+
+
 def write_user_draft(shape: str, root: Path) -> tuple[Path, Path, int]:
     """(the draft in SGLang's format, its target config, the weight bytes)."""
     cfg = make_config(**SHAPES[shape])
@@ -102,9 +107,13 @@ def available_bytes() -> int:
 @pytest.mark.benchmark
 @pytest.mark.parametrize("shape", ["tiny", "llama31_8b", "kimi_k25"])
 def test_verdict_wall_time_and_peak_rss(shape, benchmark, tmp_path):
-    draft, target, size = write_user_draft(shape, tmp_path)
-    limit = available_bytes() - HEADROOM
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT)}
+    # Written by a process of its own: a child forked from a process that held the weights would count
+    # them in its peak RSS until it execs.
+    written = subprocess.run([sys.executable, "-c", WRITER, shape, str(tmp_path)], cwd=ROOT, env=env, check=True,
+                             capture_output=True, text=True).stdout
+    draft, target, size = json.loads(written.strip().splitlines()[-1])
+    limit = available_bytes() - HEADROOM
     imports = measured([sys.executable, "-c", IMPORTS], env)
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--draft-checkpoint={draft}",
             f"--target-config={target}", f"--sglang-args={SGLANG_ARGS}", f"--report={tmp_path / 'report'}"]

@@ -3,6 +3,8 @@ canonical stages of conformance/core/stages.py: fused layouts split back, fused 
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 
@@ -33,11 +35,20 @@ class Recorder:
                 self.seen.setdefault(key, _clone(pick(args, output)))
             return hook
 
+        def keep_input(name, pick):
+            def pre_hook(module, args, kwargs):   # before the call: a fused add-norm updates its inputs in place
+                key = name if self.layer is None else f"{self.layer}.{name}"
+                self.seen.setdefault(key, _clone(pick(args, kwargs)))
+            return pre_hook
+
         def out(a, o):
             return o
 
         def arg0(a, o):
             return a[0]
+
+        def residual_arg(args, kwargs):
+            return args[1] if len(args) > 1 else kwargs["residual"]
 
         targets = [(inner.embed_tokens, "embed_tokens", out), (inner.fc, "fc", out), (inner.norm, "norm", out)]
         if inner.input_norm is not None:
@@ -49,7 +60,6 @@ class Recorder:
             attn = layer.self_attn
             targets += [
                 (layer.hidden_norm, "hidden_norm", out),
-                (layer.hidden_norm, "hidden_norm_in", arg0),
                 (layer.input_layernorm, "input_layernorm", out),
                 (attn.qkv_proj, "qkv_in", arg0),
                 (attn.qkv_proj, "qkv", out),
@@ -59,6 +69,10 @@ class Recorder:
                 (layer.post_attention_layernorm, "post_attention_layernorm", out),
                 (layer.mlp, "mlp", out),
             ]
+            # The residual attention is added to: the residual SGLang's own fused add-norm receives
+            # (post_attention_layernorm(attn_out, residual), llama_eagle3.py:114), read at the call.
+            self._hooks.append((partial(layer.post_attention_layernorm.register_forward_pre_hook, with_kwargs=True),
+                                keep_input("residual", residual_arg)))
         hooked: set[tuple[int, str]] = set()
         for module, name, pick in targets:
             if (id(module), name) not in hooked:   # a shared module is hooked once per name
@@ -90,7 +104,7 @@ def canonical_stages(loaded, seen: dict, spec_hidden: torch.Tensor, input_ids: t
     # Every hooked module SGLang always calls must have been seen (hooks fire on __call__).
     required = ["embed_tokens", "norm"] + [
         f"{i}.{k}" for i in range(layers)
-        for k in ("hidden_norm", "qkv", "rotary", "attn", "o_proj", "post_attention_layernorm", "mlp")]
+        for k in ("hidden_norm", "residual", "qkv", "rotary", "attn", "o_proj", "post_attention_layernorm", "mlp")]
     missing = [k for k in required if k not in seen]
     if missing:
         raise RuntimeError(f"forward hooks did not fire for {missing}")
@@ -113,9 +127,9 @@ def canonical_stages(loaded, seen: dict, spec_hidden: torch.Tensor, input_ids: t
         if i == 0:
             s[p + "embeds_norm"] = seen["0.input_layernorm"]
             s[p + "hidden_norm"] = seen["0.hidden_norm"]
-            s[p + "residual"] = seen["0.hidden_norm_in"]       # raw hidden: what attention is added to
         else:
-            s[p + "hidden_norm"], s[p + "residual"] = seen[f"{i}.hidden_norm"]  # fused (normed, sum)
+            s[p + "hidden_norm"] = seen[f"{i}.hidden_norm"][0]   # fused (normed, sum)
+        s[p + "residual"] = seen[f"{i}.residual"]
         s[p + "attn_in"] = seen[f"{i}.qkv_in"]
         q, k, v = seen[f"{i}.qkv"][0].split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         s[p + "q"], s[p + "k"], s[p + "v"] = q.reshape(T, nh, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
