@@ -179,13 +179,15 @@ def _check_every_tensor_loaded(model: torch.nn.Module, ckpt_dir: Path, info: dic
     if mismatched := sorted(info.get("mismatched_keys") or ()):
         shapes = "; ".join(f"{k}: checkpoint {tuple(c)} vs model {tuple(m)}" for k, c, m in mismatched)
         raise ValueError(f"speculators: size mismatch loading {shapes}")
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if name not in VERIFIER_OWNED and t.is_floating_point() and t.isnan().any():
-            raise ValueError(f"speculators: {name} is still NaN after loading (never loaded)")
     if unused := sorted(in_checkpoint - in_model):
         raise ValueError(f"speculators: checkpoint tensors not loaded: {unused}")
     if missing := sorted(in_model - in_checkpoint - set(VERIFIER_OWNED)):
         raise ValueError(f"speculators: model tensors absent from the checkpoint: {missing}")
+    # Last: the key sets decide first, so a tensor absent from the checkpoint is always reported as
+    # such; a NaN scan of memory nothing wrote reads whatever the allocator left there.
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name not in VERIFIER_OWNED and t.is_floating_point() and t.isnan().any():
+            raise ValueError(f"speculators: {name} is still NaN after loading (never loaded)")
 
 
 class LoadedSpeculators:

@@ -6,6 +6,7 @@ fixtures.trained_draft.Recipe (read by field name).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -133,3 +134,31 @@ def heldout_metrics(ckpt_dir: Path, target_dir: Path, items: list[dict], hidden_
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
     return totals
+
+
+@contextlib.contextmanager
+def scored_starts():
+    """What speculators' metrics score per start row while heldout_metrics runs (observation only).
+
+    Yields a list that gets, per forward and TTT step k in call order, the mask `prev_correct` that
+    compute_accuracy_single_step updates in place (metrics.py:52-56): for each start row t < T - k,
+    whether drafts 0..k are all right, the per-row terms full_acc_k_sum adds up. The original runs
+    unchanged and its counts are returned as they are.
+    """
+    from speculators.models.eagle3 import metrics
+
+    original = metrics.compute_accuracy_single_step
+    seen: list[torch.Tensor] = []
+
+    def observed(pred_ids, target_ids, loss_mask, prev_correct):
+        counts = original(pred_ids, target_ids, loss_mask, prev_correct)
+        if loss_mask is not None and not bool(loss_mask.all()):
+            raise ValueError("scored_starts: a loss mask with False entries; rows would not be starts")
+        seen.append(prev_correct.detach().reshape(-1).clone())
+        return counts
+
+    metrics.compute_accuracy_single_step = observed   # compute_metrics looks it up in its module
+    try:
+        yield seen
+    finally:
+        metrics.compute_accuracy_single_step = original
