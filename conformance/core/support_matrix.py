@@ -63,7 +63,7 @@ def tree_rows() -> list[dict]:
 def wiring_rows() -> list[dict]:
     """Per SGLang target class and draft config format: the training conventions it serves as trained,
     and the registered mismatch of each other one."""
-    from conformance.wiring.wiring import known_wiring, wiring_matrix
+    from conformance.wiring.cases import known_wiring, wiring_matrix
     from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS
 
     rows: dict[tuple[str, str], dict[str, list[str]]] = {}

@@ -162,7 +162,7 @@ def test_tree_entries_show_exactly_what_they_register(entry, drafts):
 # ---------------------------------------------------------------- target wiring
 
 def wiring_cases():
-    from conformance.wiring.wiring import wiring_matrix
+    from conformance.wiring.cases import wiring_matrix
     from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS
 
     return wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS)
@@ -170,7 +170,7 @@ def wiring_cases():
 
 @pytest.mark.parametrize("entry", entries("wiring"), ids=by_id)
 def test_wiring_entries_show_exactly_what_they_register(entry, wiring):
-    from conformance.wiring.wiring import known_wiring
+    from conformance.wiring.cases import known_wiring
 
     cases = [x for x in wiring_cases() if known_wiring(*x)[:1] == (entry,)]
     assert cases, f"{entry.id}: decides no wiring case"
@@ -186,7 +186,8 @@ def test_a_wiring_entry_does_not_hide_another_kind_of_mismatch(wiring, repro):
     """SGLang serves input-of-layer ids one layer deeper on Llama (registered); the same capture with its
     last chunk cut off is a missing slot, which that entry must not make a known hit."""
     from conformance.wiring.test_wiring import assert_wiring
-    from conformance.wiring.wiring import CASES_BY_ID as WIRING_CASES, DEEPER, MISSING, compare_capture, known_wiring
+    from conformance.wiring.cases import CASES_BY_ID as WIRING_CASES, DEEPER, MISSING, known_wiring
+    from conformance.wiring.comparison import compare_capture
     from fixtures.targets import TARGETS_BY_ID
 
     target, case, fmt = TARGETS_BY_ID["llama"], WIRING_CASES["speculators_explicit"], "sglang_input_ids"

@@ -10,10 +10,8 @@ import torch
 from conformance.adapters.sglang.target import AuxIds, DraftConfigRefused, sglang_aux_layer_ids
 from conformance.core.compare import OK, compare_tensors
 from conformance.core.registry import REGISTRY
-from conformance.wiring.wiring import (
-    CASES_BY_ID, MISSING, N, SEED_LAYERS, WRONG, compare_capture, known_wiring, layer_list, shrink,
-    wiring_matrix,
-)
+from conformance.wiring.cases import CASES_BY_ID, MISSING, N, SEED_LAYERS, WRONG, known_wiring, layer_list, shrink, wiring_matrix
+from conformance.wiring.comparison import compare_capture
 from conformance.checkpoints import sha256
 from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS, TARGETS_BY_ID
 
@@ -154,7 +152,7 @@ def test_speculators_id_rules_are_speculators_own(wiring):
 
     from speculators.models.utils import resolve_target_layer_ids
 
-    from conformance.wiring.wiring import TRAINERS, TRAINING_CASES
+    from conformance.wiring.cases import TRAINERS, TRAINING_CASES
     from fixtures.targets import write_target_config
 
     verifier = str(write_target_config(TARGETS_BY_ID["llama"], wiring.root / "speculators_verifier"))

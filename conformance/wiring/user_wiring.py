@@ -37,7 +37,8 @@ from conformance.checkpoints.errors import CheckpointError
 from conformance.core.compare import OK, StageResult, compare_tensors
 from conformance.user.trainer import Trainer
 from conformance.user.verdict import WIRING, Problem
-from conformance.wiring.wiring import AUX_STAGE, describe_read
+from conformance.wiring.cases import AUX_STAGE
+from conformance.wiring.comparison import describe_read
 from fixtures.target_twin import TwinRun, TwinUnsupported, build_twin, target_twin
 
 
