@@ -60,13 +60,14 @@ class Comparison:
         return next((r for r in self.results if r.failed), None)
 
     def table(self) -> str:
-        lines = [f"  {'step':>4}  {'stage':<28} {'max_abs':>10} {'max_rel':>10}  verdict"]
+        lines = [f"  {'step':>4}  {'stage':<28} {'max_abs':>10} {'max_rel':>10} {'err/allowed':>11}  verdict"]
         first = self.first_divergence
         for r in self.results:
             a = "-" if r.max_abs is None else f"{r.max_abs:.3e}"
             m = "-" if r.max_rel is None else f"{r.max_rel:.3e}"
+            x = "-" if r.excess is None else f"{r.excess:.3g}"
             mark = "  <- first divergence" if r is first else ""
-            lines.append(f"  {r.step:>4}  {r.stage:<28} {a:>10} {m:>10}  {r.verdict}{mark}")
+            lines.append(f"  {r.step:>4}  {r.stage:<28} {a:>10} {m:>10} {x:>11}  {r.verdict}{mark}")
         return "\n".join(lines)
 
     def message(self, repro: str) -> str:
@@ -81,6 +82,10 @@ class Comparison:
             body = f"  {self.impl} claims stage '{first.stage}' but did not produce it. {first.detail}".rstrip()
         elif first.detail and first.max_abs is None:
             body = f"  {first.detail}"
+        elif first.allowed is None:   # an id stage: exact
+            body = (f"  max abs error: {first.mismatched}/{first.numel} ids differ, the first at {first.abs_index} "
+                    f"(max rel error {first.max_rel:.3e}: the share that differs); ids are exact")
+            body += f"; {first.detail}" if first.detail else ""
         else:
             body = (f"  max abs error {first.max_abs:.3e} at {first.abs_index} (allowed there {first.allowed:.3e}), "
                     f"max rel error {first.max_rel:.3e} at {first.rel_index}; error/allowed up to {first.excess:.3g} "
@@ -171,15 +176,15 @@ def compare_traces(actual: Trace, expected: Trace, case_id: str, steps: int | No
 
     `expected` is the reference `actual` is compared against (conformance/core/tolerances.py AGAINST);
     `precise`, the reference in fp64, and `same`, the reference in `actual`'s dtype (default: `expected`
-    when it is in that dtype), feed the error model; the depth it needs is counted here.
+    when it is in that dtype), feed the error model; the depth it needs (stages so far in this step) is
+    counted here.
     """
     against = expected.impl if expected.dtype == actual.dtype else f"{expected.impl} ({dtype_name(expected.dtype)})"
     cmp = Comparison(impl=actual.impl, against=against, case_id=case_id, dtype=actual.dtype, notes=list(actual.notes))
     if same is None and expected.dtype == actual.dtype:
         same = expected
-    depth = 0
     for step in range(steps if steps is not None else len(expected.steps)):
-        logits_allowed = None
+        logits_allowed, depth = None, 0
         for stage in S.stage_names(expected.num_layers):
             ref = expected.get(step, stage)
             if ref is None:
