@@ -1,8 +1,12 @@
 """From training accuracy to accept length: speculators' prediction vs simulated speculative decoding.
 
-Predicted: 1 + sum_{k<K} full_acc_k from speculators' own metrics on held-out greedy continuations.
-Simulated: greedy chain speculative decoding of the same target with the draft served by each adapter
-as the drafter, verified against the target's argmax (accept length = accepted drafts + 1 per round).
+Predicted: speculators' own metrics on held-out greedy continuations (heldout_metrics: its training
+forward, teacher-forced with the data, scored by compute_metrics), per start row and in sum
+(1 + sum_{k<K} full_acc_k). Simulated: greedy chain speculative decoding of the same target with the
+draft served by each adapter's own drafting loop (loaded.drafter()), verified against the target's
+argmax (accept length = accepted drafts + 1 per round). For speculators the two share its forward,
+so neither is checked against the other: the drafts of every implementation against the reference's,
+token for token, and speculators' per-row scores against the reference's simulation, row by row.
 """
 from __future__ import annotations
 
@@ -11,10 +15,11 @@ from pathlib import Path
 
 import torch
 
-from conformance.acceptance.faults import FAULT_REQUESTS, Fault, first_divergence, plant, served_aux_ids
+from conformance.acceptance.faults import FAULT_REQUESTS, Fault, plant, served_aux_ids
+from conformance.acceptance.stagewise import first_divergence, right_padded, round_rows
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import Drafter
-from conformance.adapters.speculators.training import heldout_metrics, speculators_items
+from conformance.adapters.speculators.training import heldout_metrics, scored_starts, speculators_items
 from conformance.core.compare import Comparison
 from fixtures.trained_draft import GreedyTarget, TrainedDraft, one_thread
 from reference.eagle3 import DraftBatch
@@ -24,6 +29,7 @@ K_MAX = 5                   # draft steps simulated (every K <= K_MAX comes from
 REQUESTS_PER_SEQUENCE = 8   # verify rounds drawn per held-out sequence (64 sequences: 512 rounds)
 CHUNK = 16                  # requests per drafter call
 REQUEST_SEED = 11
+PREDICTOR = "speculators"   # the implementation whose training metrics make the prediction
 
 # ---------------------------------------------------------------- predicted: speculators' metrics
 
@@ -32,23 +38,47 @@ class Prediction:
     full_acc: list[float]     # per TTT step k: fraction of starts whose drafts 0..k are all correct
     cond_acc: list[float]     # per step k: fraction correct among starts correct at steps < k
     starts: int               # held-out starts scored at step 0
+    # [sequences, rows, steps]: drafts 0..k all correct at start row t, as compute_accuracy_single_step
+    # scored it (False where t + k is past the sequence: not scored)
+    correct: torch.Tensor
 
     def accept_length(self, K: int) -> float:
         return predicted_accept_length(self.full_acc, K)
+
+    def scored_steps(self, row: int) -> int:
+        """How many draft steps training scored at start row `row` (TTT step k scores rows < T - k)."""
+        return min(self.correct.shape[2], self.correct.shape[1] - row)
+
+    def accepted(self, seq: int, row: int) -> int:
+        """Leading drafts right at (seq, start row), among the steps scored there."""
+        return int(self.correct[seq, row, :self.scored_steps(row)].sum())
 
 
 @one_thread()
 def speculators_prediction(trained: TrainedDraft, steps: int = K_MAX) -> Prediction:
     """speculators' training forward with its loss and metrics on every held-out sequence, one
-    sequence per forward (conformance/adapters/speculators/training.py heldout_metrics)."""
+    sequence per forward (conformance/adapters/speculators/training.py heldout_metrics), and what its
+    metrics scored at each start row (scored_starts)."""
     cfg = trained.config
     _, aux, last = trained.target().run(trained.heldout_ids, cfg.aux_layer_ids)
-    totals = heldout_metrics(trained.checkpoints["speculators"], trained.target_dir,
-                             speculators_items(trained.heldout_ids, aux, last), cfg.hidden_size,
-                             cfg.num_aux_hidden_states, steps, trained.recipe.loss)
+    with scored_starts() as seen:
+        totals = heldout_metrics(trained.checkpoints[PREDICTOR], trained.target_dir,
+                                 speculators_items(trained.heldout_ids, aux, last), cfg.hidden_size,
+                                 cfg.num_aux_hidden_states, steps, trained.recipe.loss)
     full = [totals[f"full_acc_{k}_sum"] / totals[f"full_acc_{k}_total"] for k in range(steps)]
     cond = [totals[f"cond_acc_{k}_sum"] / totals[f"cond_acc_{k}_total"] for k in range(steps)]
-    return Prediction(full, cond, int(totals["full_acc_0_total"]))
+    S, rows = trained.heldout_ids.shape[0], trained.heldout_ids.shape[1] - 1   # shift_batch: T - 1 pairs
+    if len(seen) != S * steps:
+        raise RuntimeError(f"speculators scored {len(seen)} (sequence, step) pairs, expected {S} x {steps}")
+    correct = torch.zeros(S, rows, steps, dtype=torch.bool)
+    for i, mask in enumerate(seen):
+        correct[i // steps, :mask.numel(), i % steps] = mask
+    # The observation must add up to what the metrics reported, step by step.
+    observed = [int(correct[:, :, k].sum()) for k in range(steps)]
+    reported = [round(totals[f"full_acc_{k}_sum"]) for k in range(steps)]
+    if observed != reported:
+        raise RuntimeError(f"per-row scores {observed} do not add up to speculators' full_acc sums {reported}")
+    return Prediction(full, cond, int(totals["full_acc_0_total"]), correct)
 
 
 # ---------------------------------------------------------------- simulated: one verify round per request
@@ -57,6 +87,16 @@ def speculators_prediction(trained: TrainedDraft, steps: int = K_MAX) -> Predict
 class Request:
     seq: int          # held-out sequence
     prompt_len: int   # the server's prompt: its first prompt_len tokens; the draft starts at row prompt_len - 1
+
+    @property
+    def row(self) -> int:
+        return self.prompt_len - 1
+
+
+@dataclass(frozen=True)
+class Simulation:
+    drafts: torch.Tensor   # [R, K] target ids drafted per round
+    stats: AcceptStats     # accepted drafts per round
 
 
 def make_requests(trained: TrainedDraft, per_sequence: int = REQUESTS_PER_SEQUENCE,
@@ -70,25 +110,13 @@ def make_requests(trained: TrainedDraft, per_sequence: int = REQUESTS_PER_SEQUEN
     return [Request(s, int(p)) for s in range(lengths.shape[0]) for p in lengths[s]]
 
 
-def right_padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    T = max(len(r) for r in rows)
-    return torch.stack([torch.cat([r, r.new_zeros(T - len(r))]) for r in rows])
-
-
 def draft_and_verify(drafter: Drafter, target: GreedyTarget, prompts: list[torch.Tensor],
                      aux_ids: tuple[int, ...], K: int):
-    """One greedy verify round for each prompt: the target's prefill gives the pending token (its
-    argmax) and the draft's input (its aux states), the draft proposes K tokens, the target checks
-    them. -> (contexts x_0..x_p with the pending token, drafts [n, K], accepted drafts [n])."""
-    argmax, aux, _ = target.run(right_padded(prompts), aux_ids)
+    """One greedy verify round for each prompt: the target's prefill gives the pending token and the
+    draft's rows (stagewise.round_rows), the draft proposes K tokens, the target checks them.
+    -> (contexts x_0..x_p with the pending token, drafts [n, K], accepted drafts [n])."""
+    contexts, batch = round_rows(target, prompts, aux_ids)
     n = [len(p) for p in prompts]
-    pending = torch.stack([argmax[j, n[j] - 1] for j in range(len(prompts))])
-    contexts = [torch.cat([p, pending[j:j + 1]]) for j, p in enumerate(prompts)]
-    # Draft rows t = 0..p-1: (aux g_t, token x_{t+1}); the last row holds the pending token.
-    batch = DraftBatch(aux=torch.cat([aux[j, :n[j]] for j in range(len(prompts))]),
-                       input_ids=torch.cat([c[1:] for c in contexts]),
-                       positions=torch.cat([torch.arange(m) for m in n]),
-                       seq_ids=torch.cat([torch.full((m,), j) for j, m in enumerate(n)]))
     drafts = drafter(batch, contexts, K)
     argmax, _, _ = target.run(right_padded([torch.cat([c, drafts[j]]) for j, c in enumerate(contexts)]), aux_ids)
     # The target's choice after the pending token (position p) and after each draft.
@@ -98,18 +126,20 @@ def draft_and_verify(drafter: Drafter, target: GreedyTarget, prompts: list[torch
 
 @one_thread()
 def simulate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, requests: list[Request],
-             K: int = K_MAX, aux_layer_ids: tuple[int, ...] | None = None) -> AcceptStats:
+             K: int = K_MAX, aux_layer_ids: tuple[int, ...] | None = None) -> Simulation:
     """One greedy verify round per request (prompt: a held-out prefix of the request's length).
 
     `aux_layer_ids`: what the serving side captures (default: what the draft was trained on).
     """
     aux_ids = aux_layer_ids or trained.config.aux_layer_ids
     ids = trained.heldout_ids
-    accepted = []
+    drafts, accepted = [], []
     for i in range(0, len(requests), CHUNK):
         prompts = [ids[r.seq, :r.prompt_len] for r in requests[i:i + CHUNK]]
-        accepted.append(draft_and_verify(drafter, target, prompts, aux_ids, K)[2])
-    return AcceptStats(torch.cat(accepted))
+        _, d, a = draft_and_verify(drafter, target, prompts, aux_ids, K)
+        drafts.append(d)
+        accepted.append(a)
+    return Simulation(torch.cat(drafts), AcceptStats(torch.cat(accepted)))
 
 
 @one_thread()
@@ -186,7 +216,8 @@ class AcceptanceStore:
         self.trained, self.root = trained, root
         self._target: GreedyTarget | None = None
         self._prediction: Prediction | None = None
-        self._stats: dict[str, AcceptStats] = {}
+        self._runs: dict[str, Simulation] = {}
+        self._faulty: dict[str, FaultRun] = {}
         self.requests = make_requests(trained)
 
     @property
@@ -201,20 +232,32 @@ class AcceptanceStore:
             self._prediction = speculators_prediction(self.trained)
         return self._prediction
 
-    def simulated(self, impl: str) -> AcceptStats:
-        if impl not in self._stats:
+    def simulated(self, impl: str) -> Simulation:
+        if impl not in self._runs:
             drafter = make_drafter(impl, self.trained.checkpoints)
-            self._stats[impl] = simulate(drafter, self.trained, self.target, self.requests)
-        return self._stats[impl]
+            self._runs[impl] = simulate(drafter, self.trained, self.target, self.requests)
+        return self._runs[impl]
 
-    def faulty(self, fault: Fault) -> tuple[AcceptStats, AcceptStats, Comparison]:
-        """(correct, faulty) stats over the same first FAULT_REQUESTS rounds, and the first divergence."""
-        planted = plant(fault, self.trained, self.root)
-        aux_ids = served_aux_ids(self.trained, fault)
-        requests = self.requests[:FAULT_REQUESTS]
-        stats = simulate(make_drafter(fault.host, planted), self.trained, self.target, requests,
-                         aux_layer_ids=aux_ids)
-        correct = AcceptStats(self.simulated(fault.host).accepted[:FAULT_REQUESTS])
-        comparison = first_divergence(self.trained, self.target, fault.host, planted, aux_ids,
-                                      f"trained_draft:{fault.id}")
-        return correct, stats, comparison
+    def faulty(self, fault: Fault) -> "FaultRun":
+        """The host with and without `fault` over the same first FAULT_REQUESTS rounds, and the first
+        divergence from the reference on the probe rows; computed once per fault."""
+        if fault.id not in self._faulty:
+            planted = plant(fault, self.trained, self.root)
+            aux_ids = served_aux_ids(self.trained, fault)
+            run = simulate(make_drafter(fault.host, planted), self.trained, self.target,
+                           self.requests[:FAULT_REQUESTS], aux_layer_ids=aux_ids)
+            clean = self.simulated(fault.host)
+            correct = Simulation(clean.drafts[:FAULT_REQUESTS], AcceptStats(clean.stats.accepted[:FAULT_REQUESTS]))
+            comparison = first_divergence(self.trained, self.target, fault.host, planted, aux_ids,
+                                          f"trained_draft:{fault.id}")
+            self._faulty[fault.id] = FaultRun(correct, run, comparison, planted, aux_ids)
+        return self._faulty[fault.id]
+
+
+@dataclass(frozen=True)
+class FaultRun:
+    correct: Simulation          # the host serving the draft as trained (the same rounds)
+    faulty: Simulation           # the host serving the planted copy
+    comparison: Comparison       # the planted host against the reference on the probe rows
+    checkpoints: dict[str, Path]   # the planted copies
+    aux_ids: tuple[int, ...]       # what the server captures with the fault

@@ -10,7 +10,7 @@ import torch
 from conformance.adapters.base import Drafter, TimedPass, Trace, batch_on, chain_drafter, installed_version
 from conformance.checkpoints import read_config, read_weights
 from conformance.core import stages
-from conformance.loading.accounting import Accounting, checkpoint_tensors, rope_text, vocab_map
+from conformance.loading.accounting import Accounting, checkpoint_tensors, observed_knobs, rope_text, vocab_map
 from reference.eagle3 import DraftBatch, Eagle3Config, Eagle3Reference
 
 # What a benchmark times, per step (the reference has no decode pass: step 1 is a TTT step over all rows).
@@ -53,7 +53,8 @@ class ReferenceAdapter:
         acct = Accounting(self.name)
         ckpt = checkpoint_tensors(ckpt_dir)
         acct.tensors = len(ckpt)
-        model = self.load(ckpt_dir, dtype).model
+        loaded = self.load(ckpt_dir, dtype)
+        model = loaded.model
         read: set[str] = set()
 
         class Recording(dict):
@@ -79,25 +80,29 @@ class ReferenceAdapter:
         acct.uses = {"embed_tokens": "checkpoint" if "embed_tokens.weight" in read else "absent",
                      "lm_head": "embed_tokens (tied)" if cfg.tie_word_embeddings else "checkpoint lm_head",
                      "d2t": "checkpoint d2t" if "d2t" in read else "none (draft vocab = vocab)"}
-        acct.knobs = knobs(cfg)
+        acct.knobs = knobs(loaded, ckpt)
         acct.vocab_map = vocab_map(ckpt, cfg.vocab_size, cfg.draft_vocab_size)
         return acct
 
 
-def knobs(cfg: Eagle3Config) -> dict:
-    """The effective knob values: the reference runs the config as written."""
+def knobs(loaded: "LoadedReference", ckpt: dict[str, torch.Tensor]) -> dict:
+    """The effective knob values: the reference runs the config as written; what the config does not
+    state by name is observed by running it, as for every implementation (observed_knobs)."""
+    cfg = loaded.model.cfg
+    seen = observed_knobs(loaded, cfg.num_aux_hidden_states * cfg.target_hidden_size, cfg.vocab_size, ckpt,
+                          loaded.model.w)
     return {
         "aux states x width": f"{cfg.num_aux_hidden_states} x {cfg.target_hidden_size}",
-        "fc": f"{cfg.num_aux_hidden_states * cfg.target_hidden_size} -> {cfg.hidden_size}, always",
+        "fc": f"{cfg.num_aux_hidden_states * cfg.target_hidden_size} -> {cfg.hidden_size}, {seen['fc']}",
         "norm_before_fc": cfg.norm_before_fc, "fc_norm": cfg.fc_norm,
-        "norm_before_residual": cfg.norm_before_residual, "norm_output": cfg.norm_output,
+        "norm_before_residual": seen["norm_before_residual"], "norm_output": cfg.norm_output,
         "layers": cfg.num_hidden_layers, "heads / kv heads / head_dim":
             f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}/{cfg.head_dim}",
         "rope": rope_text((cfg.rope_scaling or {}).get("rope_type", "default"), cfg.rope_theta),
         "q/k/v bias": cfg.attention_bias, "mlp bias": cfg.mlp_bias,
         "sliding window": cfg.sliding_window or "none",
         "vocab / draft vocab": f"{cfg.vocab_size}/{cfg.draft_vocab_size}",
-        "layers >= 1 pre-norm": "input_layernorm" if cfg.num_hidden_layers > 1 else "-",
+        "layers >= 1 pre-norm": seen["layers >= 1 pre-norm"],
     }
 
 

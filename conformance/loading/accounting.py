@@ -4,7 +4,8 @@ Each implementation loads the checkpoint through its adapter (its own loading pa
 accounts for every tensor (`account`; e.g. SGLang's `load_weights` replayed with every parameter's
 `weight_loader` observed, speculators' transformers loader checked by name and value). Here: the
 shared Accounting record, the checks every accountant uses (every landed tensor is verified bit for
-bit against the checkpoint, after the cast), the d2t/t2d invariants and the knob table.
+bit against the checkpoint, after the cast), the d2t/t2d invariants, the knobs observed by running
+the loaded draft, and the knob table.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from safetensors import safe_open
 from conformance.core.common import first_line
 from conformance.core.tolerances import dtype_name
 from conformance.checkpoints import WEIGHTS_FILE
+from reference.eagle3 import DraftBatch
 
 
 @dataclass
@@ -160,6 +162,76 @@ def rope_text(kind: str, theta) -> str:
     return f"{kind}, theta {float(theta):g}"
 
 
+# ---------------------------------------------------------------- knobs
+
+PROBE_LENGTHS = (3, 4)   # the probe batch: two short sequences
+OBSERVED = ("fc", "norm_before_residual", "layers >= 1 pre-norm")
+SAME = 1e-3              # relative difference below which two observed tensors are the same (fp32 rounding: ~1e-6)
+
+
+def observed_knobs(loaded, aux_width: int, vocab_size: int, ckpt: dict[str, torch.Tensor],
+                   params: dict[str, torch.Tensor]) -> dict[str, object]:
+    """The knobs no attribute of a built model states, read off one recorded step of the loaded draft
+    (`loaded.run`, its canonical stages) on a seeded probe batch: whether fc ran, what layer 0 adds
+    attention to (post_attn - attn_out: the raw hidden, or the normed one), and which weights
+    normalise the input of layer 1 (the per-column scale from its normed input to its hidden_norm
+    stage, matched to the checkpoint's tensors, else to the model's own `params`)."""
+    g = torch.Generator().manual_seed(0)
+    T = sum(PROBE_LENGTHS)
+    batch = DraftBatch(aux=torch.randn(T, aux_width, generator=g),
+                       input_ids=torch.randint(0, vocab_size, (T,), generator=g),
+                       positions=torch.cat([torch.arange(n) for n in PROBE_LENGTHS]),
+                       seq_ids=torch.cat([torch.full((n,), i) for i, n in enumerate(PROBE_LENGTHS)]))
+    try:
+        trace = loaded.run(batch, 1).on_cpu()
+    except Exception as exc:   # the implementation's own words, one line
+        return dict.fromkeys(OBSERVED, f"not observed: {first_line(exc)}")
+
+    def stage(name: str) -> torch.Tensor | None:
+        got = trace.get(0, name)
+        return None if got is None else got[0].detach().double().reshape(T, -1)
+
+    fc_out = stage("fc_out")
+    knobs: dict[str, object] = {"fc": "runs at step 0" if fc_out is not None else "NOT RUN at step 0"}
+    raw = fc_out if fc_out is not None else stage("aux_in")
+    post, attn, normed = stage("layers.0.post_attn"), stage("layers.0.attn_out"), stage("layers.0.hidden_norm")
+    if None in (raw, post, attn, normed):
+        knobs["norm_before_residual"] = "not observed: a stage is missing from the trace"
+    else:
+        residual = post - attn
+        to_raw, to_normed = _off(residual, raw), _off(residual, normed)
+        knobs["norm_before_residual"] = (
+            False if to_raw < SAME <= to_normed else True if to_normed < SAME <= to_raw
+            else f"neither: {to_raw:.2g} from the raw hidden, {to_normed:.2g} from the normed")
+    layer_in, out = stage("layers.0.layer_out"), stage("layers.1.hidden_norm")
+    if trace.num_layers < 2:
+        knobs["layers >= 1 pre-norm"] = "-"
+    elif layer_in is None or out is None:
+        knobs["layers >= 1 pre-norm"] = "not observed: a stage is missing from the trace"
+    else:
+        n = layer_in * torch.rsqrt(layer_in.pow(2).mean(-1, keepdim=True) + 1e-6)
+        weight = (out * n).sum(0) / n.pow(2).sum(0)   # per column, least squares
+        knobs["layers >= 1 pre-norm"] = _which(weight, ckpt, params)
+    return knobs
+
+
+def _off(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if a.shape == b.shape else float("inf")
+
+
+def _which(weight: torch.Tensor, ckpt: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> str:
+    """The checkpoint tensors equal to `weight`, else the model's own parameters, by name."""
+    def matches(tensors):
+        return [name.removeprefix("model.") for name, t in sorted(tensors.items())
+                if t.dim() == 1 and t.is_floating_point() and _off(weight, t.detach().cpu().double()) < SAME]
+    found = matches(ckpt)
+    if found:
+        return " = ".join(found)
+    own = matches(params)
+    return (f"not from the checkpoint: its own {' = '.join(own)}" if own else
+            "not from the checkpoint, nor any 1-D parameter of the model")
+
+
 def knob_rows(draft: str, accounts: list[Accounting], only_disagreements: bool) -> list[dict]:
     """Effective knob values side by side: {"draft", "knob", <impl>: value, ..., "agree"}."""
     names = list(dict.fromkeys(k for a in accounts for k in a.knobs))
@@ -173,5 +245,3 @@ def knob_rows(draft: str, accounts: list[Accounting], only_disagreements: bool) 
         rows.append({"draft": draft, "knob": knob, **{k: str(v) for k, v in values.items()},
                      "agree": "yes" if agree else "NO"})
     return rows
-
-

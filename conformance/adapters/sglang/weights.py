@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from conformance.checkpoints import WEIGHTS_FILE
-from conformance.loading.accounting import Accounting, checkpoint_tensors, finite, rope_text, vocab_map
+from conformance.loading.accounting import (Accounting, checkpoint_tensors, finite, observed_knobs, rope_text,
+                                           vocab_map)
 
 # SGLang's rotary classes by the rope_type they implement (layers/rotary_embedding/).
 ROPE_TYPES = {"RotaryEmbedding": "default", "LinearScalingRotaryEmbedding": "linear",
@@ -27,9 +28,10 @@ def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None) ->
     ckpt = checkpoint_tensors(ckpt_dir)
     acct.tensors = len(ckpt)
     try:
-        model = adapter.load(ckpt_dir, dtype).model
+        loaded = adapter.load(ckpt_dir, dtype)
     except Exception as exc:
         return acct.refuse(exc, ckpt_dir)
+    model = loaded.model
     params = dict(model.named_parameters())
     calls: list[tuple[str, str, object]] = []   # (checkpoint tensor, parameter, shard id)
     current: list[str] = [""]
@@ -85,7 +87,7 @@ def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None) ->
     cfg = model.config
     acct.vocab_map = vocab_map(ckpt, cfg.vocab_size, cfg.draft_vocab_size)
     acct.uses = _uses(model, target)
-    acct.knobs = _knobs(model)
+    acct.knobs = _knobs(loaded, ckpt)
     return acct
 
 
@@ -111,18 +113,21 @@ def _uses(model, target: dict | None) -> dict[str, str]:
     }
 
 
-def _knobs(model) -> dict:
-    """The effective knob values, read from the built model's own modules."""
+def _knobs(loaded, ckpt: dict[str, torch.Tensor]) -> dict:
+    """The effective knob values: read from the built model's own modules, and what no attribute states
+    (fc run or skipped, the residual, the norm of layers >= 1) observed by running it (observed_knobs)."""
+    model = loaded.model
     inner, cfg = model.model, model.config
-    Ht, H = inner.hidden_size_in, cfg.hidden_size
+    Ht = inner.hidden_size_in
     attn = inner.layers[0].self_attn
     window = attn.attn.sliding_window_size
+    seen = observed_knobs(loaded, inner.num_aux_hidden_states * Ht, cfg.vocab_size, ckpt,
+                          dict(model.named_parameters()))
     return {
         "aux states x width": f"{inner.num_aux_hidden_states} x {Ht}",
-        "fc": (f"{inner.fc.in_features} -> {inner.fc.out_features}, "
-               + ("always" if inner.num_aux_hidden_states * Ht != H else "NEVER (aux width == hidden_size, :238)")),
+        "fc": f"{inner.fc.in_features} -> {inner.fc.out_features}, {seen['fc']}",
         "norm_before_fc": inner.input_norm is not None, "fc_norm": inner.fc_norm is not None,
-        "norm_before_residual": False,   # no such path: the residual is always the raw hidden (:97-99)
+        "norm_before_residual": seen["norm_before_residual"],
         "norm_output": bool(inner.norm_output),
         "layers": len(inner.layers),
         "heads / kv heads / head_dim": f"{attn.num_heads}/{attn.num_kv_heads}/{attn.head_dim}",
@@ -132,7 +137,7 @@ def _knobs(model) -> dict:
         "mlp bias": getattr(inner.layers[0].mlp.gate_up_proj, "bias", None) is not None,
         "sliding window": window if window not in (None, -1) else "none",
         "vocab / draft vocab": f"{cfg.vocab_size}/{cfg.draft_vocab_size}",
-        "layers >= 1 pre-norm": "hidden_norm (:103-105)" if len(inner.layers) > 1 else "-",
+        "layers >= 1 pre-norm": seen["layers >= 1 pre-norm"],
     }
 
 

@@ -1,0 +1,77 @@
+"""The effective-knob rows come from what each implementation built: attributes of its loaded modules,
+and, for what no attribute states (fc run or skipped, what layer 0 adds attention to, which weights
+normalise layers >= 1), one observed step of the loaded draft (accounting.observed_knobs). The plants
+change SGLang's built model and the row follows; the cases show the rows disagree where it differs.
+"""
+from __future__ import annotations
+
+from types import MethodType
+
+import pytest
+import torch
+
+from conformance.adapters import ADAPTERS
+from conformance.adapters.sglang import weights
+from conformance.loading.accounting import account, checkpoint_tensors, knob_rows
+from fixtures.cases import CASES_BY_ID
+
+pytestmark = [pytest.mark.cpu, pytest.mark.meta]
+IMPLS = tuple(ADAPTERS)
+
+
+def _accounts(drafts, case_id: str) -> list:
+    dirs = drafts.checkpoint(CASES_BY_ID[case_id])
+    return [account(impl, dirs[ADAPTERS[impl].checkpoint_format]) for impl in IMPLS]
+
+
+def _sglang(drafts, case_id: str):
+    ckpt_dir = drafts.checkpoint(CASES_BY_ID[case_id])["sglang"]
+    return ADAPTERS["sglang"]().load(ckpt_dir, torch.float32), checkpoint_tensors(ckpt_dir)
+
+
+@pytest.mark.parametrize("case_id,knob,values", [
+    ("fc_skip", "fc", {"reference": "40 -> 40, runs at step 0", "speculators": "40 -> 40, runs at step 0",
+                       "sglang": "40 -> 40, NOT RUN at step 0"}),
+    ("norm_before_residual", "norm_before_residual", {"reference": "True", "speculators": "True", "sglang": "False"}),
+    ("two_layers", "layers >= 1 pre-norm", {
+        "reference": "layers.1.input_layernorm.weight", "speculators": "layers.1.input_layernorm.weight",
+        "sglang": "not from the checkpoint: its own layers.1.hidden_norm.weight"}),
+])
+def test_observed_knob_rows_disagree_where_the_builds_differ(case_id, knob, values, drafts):
+    rows = {r["knob"]: r for r in knob_rows(case_id, _accounts(drafts, case_id), only_disagreements=True)}
+    assert knob in rows, f"[{case_id}] no disagreement on {knob!r}: {sorted(rows)}"
+    assert {impl: rows[knob][impl] for impl in IMPLS} == values, rows[knob]
+
+
+def honouring_norm_before_residual(self, positions, embeds, hidden_states, forward_batch, residual):
+    """SGLang's input-layer forward (llama_eagle3.py:96-116), except that attention is added to the
+    normed hidden, as speculators does for the knob (model_definitions.py:80-81)."""
+    hidden_states = self.hidden_norm(hidden_states)
+    residual = hidden_states   # the plant; SGLang keeps the raw hidden here
+    embeds = self.input_layernorm(embeds)
+    hidden_states = torch.cat([embeds, hidden_states], dim=-1)
+    hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states, forward_batch=forward_batch)
+    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    return self.mlp(hidden_states), residual
+
+
+def test_sglang_residual_knob_follows_its_layer(drafts):
+    """The row was hard-coded False; now SGLang's layer 0 patched to add attention to the normed hidden
+    reads True, on the same checkpoint."""
+    loaded, ckpt = _sglang(drafts, "norm_before_residual")
+    assert weights._knobs(loaded, ckpt)["norm_before_residual"] is False
+    layer0 = loaded.model.model.layers[0]
+    layer0.forward = MethodType(honouring_norm_before_residual, layer0)
+    assert weights._knobs(loaded, ckpt)["norm_before_residual"] is True
+
+
+def test_sglang_pre_norm_knob_follows_its_weights(drafts):
+    """The row was hard-coded 'hidden_norm'; it names the weights applied: SGLang's own (never loaded)
+    layers.1.hidden_norm, and the checkpoint's input_layernorm once that is what the module holds."""
+    loaded, ckpt = _sglang(drafts, "two_layers")
+    before = weights._knobs(loaded, ckpt)["layers >= 1 pre-norm"]
+    assert before == "not from the checkpoint: its own layers.1.hidden_norm.weight", before
+    with torch.no_grad():
+        loaded.model.model.layers[1].hidden_norm.weight.copy_(ckpt["layers.1.input_layernorm.weight"])
+    assert weights._knobs(loaded, ckpt)["layers >= 1 pre-norm"] == "layers.1.input_layernorm.weight"
+
