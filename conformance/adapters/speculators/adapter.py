@@ -7,6 +7,7 @@ modules, mapped to the canonical names of conformance/core/stages.py (`eagle3-se
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 from typing import ClassVar
 
@@ -15,9 +16,11 @@ from safetensors import safe_open
 
 from conformance.adapters.base import Drafter, TimedPass, Trace, batch_on, installed_version, last_rows
 from conformance.adapters.speculators.recorder import Recorder
+from conformance.adapters.speculators.training import FLEX_BLOCK, training_layout
 from conformance.checkpoints import WEIGHTS_FILE
 from conformance.core import stages
-from conformance.loading.accounting import Accounting, checkpoint_tensors, finite, rope_text, vocab_map
+from conformance.loading.accounting import (Accounting, checkpoint_tensors, finite, observed_knobs, rope_text,
+                                           vocab_map)
 from reference.eagle3 import DraftBatch, Eagle3Config
 
 # Only used by the training loss (verifier_last_hidden_states), which is never run here; they are
@@ -28,7 +31,12 @@ VERIFIER_OWNED = ("verifier_lm_head.weight", "verifier_norm.weight")
 # (model_definitions.py:75-81) and the post-RoPE query (LlamaAttention.forward).
 NOT_OBSERVABLE = frozenset({"residual", "q_rot"})
 
-CPU_ATTENTION = "sdpa"   # see load()
+# speculators' training attention on every device: flex attention over its own block masks
+# (create_block_mask, extended per TTT step by extend_mask_for_draft_tokens; models/eagle3/core.py:47-60,
+# 341-350), the default of its training CLI (train/config/schema.py:190-194). torch.compile wraps the
+# forward on CUDA only (models/utils.py:71-76), so on CPU flex attention runs eagerly, unfused. It
+# needs the packed rows padded as training pads them (training.training_layout).
+TRAINING_ATTENTION = "simple_flex_attention"
 
 # What a benchmark times, per step (training has no decode pass: step 1 is a TTT step over all rows).
 TIMED = ("Eagle3DraftModel.forward(ttt_steps=1): fc + TTT step 0 over all B*L tokens",
@@ -40,7 +48,7 @@ class SpeculatorsAdapter:
     package: ClassVar[str | None] = "speculators"
     checkpoint_format: ClassVar[str] = "speculators"
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST) - NOT_OBSERVABLE
-    draft_group: ClassVar[int | None] = 8   # its CPU attention is dense over the packed batch (a dense TTT mask)
+    draft_group: ClassVar[int | None] = 8   # its CPU attention materialises scores over the whole packed batch
     serving_decode: ClassVar[bool] = False
     silent_drop: ClassVar[str | None] = None   # its loading is checked tensor by tensor: a drop is a refusal
 
@@ -57,8 +65,8 @@ class SpeculatorsAdapter:
         return True
 
     def dense_attention(self, device: str) -> bool:
-        # sdpa over a dense boolean TTT mask on CPU; on CUDA its flex attention (block-sparse).
-        return attention_for(device) == CPU_ATTENTION
+        # Eager flex attention (CPU) materialises the scores over all padded rows; compiled (CUDA) it is block-sparse.
+        return torch.device(device).type == "cpu"
 
     def load(self, ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = None,
              device: str = "cpu") -> "LoadedSpeculators":
@@ -69,10 +77,7 @@ class SpeculatorsAdapter:
 
         ckpt_dir = Path(ckpt_dir)
         config = Eagle3SpeculatorConfig.from_pretrained(ckpt_dir)
-        # The default simple_flex_attention needs T % 128 == 0 and is slow on CPU; "sdpa" runs the
-        # same TTT mask as a dense boolean mask (core.py:54-60, attention.py extend_dense_...).
-        # On CUDA speculators keeps its own default, the flex attention it trains with.
-        config.transformer_layer_config._attn_implementation = attention_for(device)
+        config.transformer_layer_config._attn_implementation = TRAINING_ATTENTION
         if (config.transformer_layer_config.rope_parameters or {}).get("partial_rotary_factor", 1) < 1:
             # Stock HF apply_rotary_pos_emb cannot turn part of a head; speculators' training installs
             # its partial-neox patch for such drafts (train/cli.py:623-625, rotary_partial.py:73-92).
@@ -106,9 +111,10 @@ class SpeculatorsAdapter:
         ckpt = checkpoint_tensors(ckpt_dir)
         acct.tensors = len(ckpt)
         try:
-            model = self.load(ckpt_dir, dtype).model
+            loaded = self.load(ckpt_dir, dtype)
         except Exception as exc:   # the loader's own words, one line
             return acct.refuse(exc, ckpt_dir)
+        model = loaded.model
         state = model.state_dict()
         for name in sorted(ckpt):
             if name in state:
@@ -121,21 +127,25 @@ class SpeculatorsAdapter:
         acct.uses = {"embed_tokens": "checkpoint (in training: the verifier's, unless embed_requires_grad)",
                      "lm_head": "checkpoint lm_head (in training: verifier lm_head[t2d], frozen; model.py:172-185)",
                      "d2t": "checkpoint d2t" if model.d2t is not None else "none (draft vocab = vocab)"}
-        acct.knobs = knobs(model)
+        acct.knobs = knobs(loaded, ckpt)
         return acct
 
 
-def knobs(model) -> dict:
-    """The effective knob values, read from the loaded model's own modules and config."""
+def knobs(loaded: "LoadedSpeculators", ckpt: dict[str, torch.Tensor]) -> dict:
+    """The effective knob values, read from the loaded model's own modules and config, and what they do
+    not state observed by running it (observed_knobs)."""
+    model = loaded.model
     cfg = model.config
     tl = cfg.transformer_layer_config
     layer0 = model.layers[0]
     rope = model.rotary_emb
+    seen = observed_knobs(loaded, model.fc.in_features, model.embed_tokens.num_embeddings, ckpt,
+                          dict(model.named_parameters()))
     return {
         "aux states x width": f"{model.fc.in_features // tl.hidden_size} x {tl.hidden_size}",
-        "fc": f"{model.fc.in_features} -> {model.fc.out_features}, always",
+        "fc": f"{model.fc.in_features} -> {model.fc.out_features}, {seen['fc']}",
         "norm_before_fc": model.input_norm is not None, "fc_norm": model.fc_norm is not None,
-        "norm_before_residual": bool(getattr(layer0, "norm_before_residual", cfg.norm_before_residual)),
+        "norm_before_residual": seen["norm_before_residual"],
         "norm_output": bool(cfg.norm_output),
         "layers": len(model.layers),
         "heads / kv heads / head_dim": f"{tl.num_attention_heads}/{tl.num_key_value_heads}/{tl.head_dim}",
@@ -144,7 +154,7 @@ def knobs(model) -> dict:
         "mlp bias": layer0.mlp.gate_proj.bias is not None,
         "sliding window": model.sliding_window if model.uses_sliding_window_attn else "none",
         "vocab / draft vocab": f"{model.embed_tokens.num_embeddings}/{model.lm_head.out_features}",
-        "layers >= 1 pre-norm": "input_layernorm" if len(model.layers) > 1 else "-",
+        "layers >= 1 pre-norm": seen["layers >= 1 pre-norm"],
     }
 
 
@@ -159,11 +169,6 @@ def to_compute_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     for param in model.parameters():
         param.data = param.data.to(dtype)
     return model
-
-
-def attention_for(device: str) -> str | None:
-    """The attention speculators runs on `device`: sdpa on CPU; None = its default (flex) elsewhere."""
-    return CPU_ATTENTION if torch.device(device).type == "cpu" else None
 
 
 def _check_every_tensor_loaded(model: torch.nn.Module, ckpt_dir: Path, info: dict) -> None:
@@ -204,26 +209,25 @@ class LoadedSpeculators:
         m, T = self.model, batch.input_ids.shape[0]
         batch = batch_on(batch, self.device)
         aux = batch.aux.to(self.dtype)
-        rec = Recorder(m, T) if record else contextlib.nullcontext()
-        with rec:
-            draft_tokens = m(
-                hidden_states=aux[None],
-                input_ids=batch.input_ids[None],
-                document_ids=batch.seq_ids[None],
-                position_ids=batch.positions[None],   # speculators adds 1 per TTT step (core.py:357)
-                ttt_steps=steps,
-            )
+        inputs = training_layout(m, batch, aux, self.dtype)
+        rows = inputs["input_ids"].shape[1]   # T, padded as training pads; only the first T are kept
+        rec = Recorder(m, rows, T) if record else contextlib.nullcontext()
+        with rec, warnings.catch_warnings():
+            # "flex_attention called without torch.compile": on CPU the eager path is the point.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            # speculators adds 1 to position_ids per TTT step (core.py:357)
+            draft_tokens = m(**inputs, ttt_steps=steps)
         trace = rec.steps if record else [{} for _ in draft_tokens]
         trace[0]["aux_in"] = aux
         for step, ids in enumerate(draft_tokens):
-            draft = ids.reshape(T)
+            draft = ids.reshape(rows)[:T]
             # d2t holds offsets, speculators' own convention (train/vocab_mapping.py:98-99):
             # target = draft + d2t[draft]; no d2t when the draft vocabulary is the target's.
             target = draft if m.d2t is None else draft + m.d2t[draft]
             trace[step].update({"draft_ids": draft, "target_ids": target})
         notes = [
-            f"speculators Eagle3DraftModel training forward, attention {m._attn_impl}"
-            + (" (dense TTT mask)" if m._attn_impl == CPU_ATTENTION else ""),
+            f"speculators Eagle3DraftModel training forward, attention {m._attn_impl} over its block masks, "
+            f"packed rows zero-padded to a multiple of {FLEX_BLOCK} as its CollateFn pads (train/data.py:374-443)",
             f"loading report: {_summary(self.loading_info)}",
         ]
         if steps > 1:

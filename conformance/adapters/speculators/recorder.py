@@ -9,17 +9,18 @@ class Recorder:
     """Forward hooks that copy module inputs/outputs into per-TTT-step stage dicts.
 
     embed_tokens runs exactly once per TTT step (core.py:271), so its pre-hook opens each step after
-    the first; fc and its input norms run once, before it, and land in step 0.
+    the first; fc and its input norms run once, before it, and land in step 0. The forward runs on
+    `rows` packed rows (padded as training pads); the first `T` are the batch's and are kept.
     """
 
-    def __init__(self, model, T: int):
-        self.model, self.T = model, T
+    def __init__(self, model, rows: int, T: int):
+        self.model, self.rows, self.T = model, rows, T
         self.steps: list[dict[str, torch.Tensor]] = [{}]
         self.embed_calls = 0
         self.handles: list = []
 
     def put(self, stage: str, t: torch.Tensor, *shape: int) -> None:
-        self.steps[-1][stage] = t.detach().reshape(self.T, *shape).clone()
+        self.steps[-1][stage] = t.detach().reshape(self.rows, *shape)[:self.T].clone()
 
     def out(self, stage: str, *shape: int):
         return lambda _m, _args, output: self.put(stage, output, *shape)
@@ -96,8 +97,8 @@ class Recorder:
         def hook(attn, _args, kwargs, _output):
             cache = kwargs.get("past_key_values")
             if cache is not None:
-                keys = cache.layers[attn.layer_idx].keys          # [1, nkv, S, hd], S = (step + 1) * T
-                self.put(prefix + "k_rot", keys[0, :, -self.T:].transpose(0, 1), keys.shape[1], keys.shape[-1])
+                keys = cache.layers[attn.layer_idx].keys          # [1, nkv, S, hd], S = (step + 1) * rows
+                self.put(prefix + "k_rot", keys[0, :, -self.rows:].transpose(0, 1), keys.shape[1], keys.shape[-1])
         return hook
 
     def __exit__(self, *exc):

@@ -12,6 +12,15 @@ from pathlib import Path
 
 import torch
 
+from reference.eagle3 import DraftBatch
+
+# extend_mask_for_draft_tokens appends one KV block per query block, which lines up with the keys of
+# the next TTT step only when the packed length is a multiple of the block size (models/eagle3/
+# attention.py:37-112; create_block_mask's default, which core.py:149-161 keeps); flex attention refuses
+# any other length. Training pads every batch to total_seq_len (train/data.py:374-443), and so does
+# training_layout here.
+FLEX_BLOCK = 128
+
 FORWARD_KEYS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
                 "verifier_last_hidden_states")
 
@@ -25,12 +34,30 @@ def speculators_items(ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor) 
              "position_ids": torch.arange(T)} for i in range(ids.shape[0])]
 
 
-def collate(items: list[dict], hidden_size: int, num_aux: int) -> dict:
-    """speculators' own CollateFn with its Eagle-3 shift_batch: pairs (g_t, x_{t+1}, y_{t+1})."""
+def training_layout(model, batch: DraftBatch, aux: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The forward's inputs as speculators' own CollateFn lays out a training batch (train/data.py:374-443):
+    the packed rows, zero-padded to a multiple of FLEX_BLOCK, document ids from the sequence lengths and
+    -1 on padding, which its document mask keeps out of every real row's attention (attention.py:22-27)."""
+    from speculators.train.data import CollateFn
+
+    T = batch.input_ids.shape[0]
+    lengths = torch.bincount(batch.seq_ids.cpu())
+    item = {"hidden_states": aux, "input_ids": batch.input_ids, "position_ids": batch.positions, "lengths": lengths}
+    out = CollateFn(max_len=-(-T // FLEX_BLOCK) * FLEX_BLOCK, hidden_size=model.hidden_size,
+                    num_target_layers=aux.shape[-1] // model.hidden_size, dtype=dtype)([item])
+    inputs = {k: out[k].to(aux.device) for k in ("hidden_states", "input_ids", "document_ids", "position_ids")}
+    if not bool((inputs["document_ids"][0, :T] == batch.seq_ids).all()):
+        raise ValueError("speculators: sequences must be contiguous and numbered 0, 1, ... in the packed batch")
+    return inputs
+
+
+def collate(items: list[dict], hidden_size: int, num_aux: int, multiple: int = 1) -> dict:
+    """speculators' own CollateFn with its Eagle-3 shift_batch: pairs (g_t, x_{t+1}, y_{t+1}), padded to a
+    multiple of `multiple` rows (its flex attention's block; training pads to total_seq_len)."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
 
-    max_len = sum(int(item["lengths"][0]) - 1 for item in items)
+    max_len = -(-sum(int(item["lengths"][0]) - 1 for item in items) // multiple) * multiple
     batch = CollateFn(max_len=max_len, hidden_size=hidden_size, num_target_layers=num_aux,
                       dtype=torch.float32, preprocess=shift_batch)(items)
     return {k: batch[k] for k in FORWARD_KEYS}
@@ -129,8 +156,10 @@ def heldout_metrics(ckpt_dir: Path, target_dir: Path, items: list[dict], hidden_
     totals: dict[str, float] = {}
     with torch.no_grad():
         for item in items:
-            batch = collate([item], hidden_size, num_aux)
-            _, _, metrics = model(**batch, ttt_steps=steps, loss_config=losses)
+            batch = collate([item], hidden_size, num_aux, FLEX_BLOCK)
+            with warnings.catch_warnings():   # flex attention without torch.compile: eager on CPU, as intended
+                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+                _, _, metrics = model(**batch, ttt_steps=steps, loss_config=losses)
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
     return totals
@@ -152,9 +181,11 @@ def scored_starts():
 
     def observed(pred_ids, target_ids, loss_mask, prev_correct):
         counts = original(pred_ids, target_ids, loss_mask, prev_correct)
-        if loss_mask is not None and not bool(loss_mask.all()):
+        # The real rows, then the padding heldout_metrics adds for flex attention (loss_mask False there).
+        real = int(loss_mask.sum()) if loss_mask is not None else prev_correct.numel()
+        if loss_mask is not None and not bool(loss_mask.reshape(-1)[:real].all()):
             raise ValueError("scored_starts: a loss mask with False entries; rows would not be starts")
-        seen.append(prev_correct.detach().reshape(-1).clone())
+        seen.append(prev_correct.detach().reshape(-1)[:real].clone())
         return counts
 
     metrics.compute_accuracy_single_step = observed   # compute_metrics looks it up in its module
