@@ -40,6 +40,10 @@ def pytest_addoption(parser):
     group.addoption("--trainer", default="auto", choices=("auto", "speculators", "specforge", "eagle3"),
                     help="how the draft was trained, i.e. what its aux-layer ids mean, when the checkpoint does not "
                          "say it (default: detected from the checkpoint)")
+    group.addoption("--trained-aux-layers", metavar="LAYERS", default=None,
+                    help="the target layers training captured, one per aux slot, e.g. embed,3,31 (the input of "
+                         "layer i; embed = the embeddings), when the checkpoint's config.json was rewritten for "
+                         "serving and no longer says it (replaces what the ids say)")
     group.addoption("--with-matrix", action="store_true",
                     help="with --draft-checkpoint: run the built-in matrix too (its known divergences stay xfails)")
     group.addoption("--training-data", metavar="FILE", default=None,
@@ -73,7 +77,8 @@ def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     if config.getoption("--require-gpu"):
-        raise pytest.UsageError(f"--require-gpu: {len(gpu_items)} gpu tests selected but torch.cuda.is_available() is False")
+        raise pytest.UsageError(f"--require-gpu: {len(gpu_items)} gpu tests selected "
+                                "but torch.cuda.is_available() is False")
     skip = pytest.mark.skip(reason="gpu: torch.cuda.is_available() is False")
     for item in gpu_items:
         item.add_marker(skip)

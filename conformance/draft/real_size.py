@@ -120,7 +120,8 @@ def run(shape: str, workdir: Path) -> dict:
         first = c.first_divergence
         comparisons.append({"impl": impl, "first_divergence": None if first is None else
                             {"step": first.step, "stage": first.stage, "max_abs": first.max_abs},
-                            "message": "" if first is None else c.message(f"python -m conformance.draft.real_size {shape} DIR")})
+                            "message": "" if first is None
+                            else c.message(f"python -m conformance.draft.real_size {shape} DIR")})
     return {"shape": shape, "parameters": params, "tokens": sum(LENGTHS), "seconds": timings,
             "total_seconds": round(sum(timings.values()), 1), "peak_rss_gib": round(peak_rss_bytes() / 2**30, 2),
             "peak_rss_gib_after": peaks,

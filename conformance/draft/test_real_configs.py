@@ -35,7 +35,8 @@ def test_real_draft_config_parses(path):
     (or no implementation can: contradictory knobs) is named by its field, on one line."""
     raw = json.loads(path.read_text())
     if path.name in NOT_A_DRAFT:
-        with pytest.raises(CheckpointError, match="field architectures: DeepseekV3ForCausalLMNextN is not an EAGLE-3 draft"):
+        refused = "field architectures: DeepseekV3ForCausalLMNextN is not an EAGLE-3 draft"
+        with pytest.raises(CheckpointError, match=refused):
             read_config_file(path)
         return
     parsed = read_config_file(path)
@@ -90,9 +91,15 @@ def test_twin_keeps_the_knobs(case):
                  "attention_bias", "mlp_bias", "hidden_act", "aux_layer_ids", "num_aux_hidden_states",
                  "rope_theta", "rope_scaling", "rms_norm_eps", "num_hidden_layers"):
         assert getattr(twin, knob) == getattr(real, knob), knob
-    assert (twin.num_key_value_heads == twin.num_attention_heads) == (real.num_key_value_heads == real.num_attention_heads)
+    def mha(c):
+        return c.num_key_value_heads == c.num_attention_heads
+
+    def explicit_head_dim(c):
+        return c.head_dim * c.num_attention_heads == c.hidden_size
+
+    assert mha(twin) == mha(real)
     assert (twin.num_key_value_heads == 1) == (real.num_key_value_heads == 1)
-    assert (twin.head_dim * twin.num_attention_heads == twin.hidden_size) == (real.head_dim * real.num_attention_heads == real.hidden_size)
+    assert explicit_head_dim(twin) == explicit_head_dim(real)
     assert (twin.target_hidden_size == twin.hidden_size) == (real.target_hidden_size == real.hidden_size)
     assert (twin.draft_vocab_size < twin.vocab_size) == (real.draft_vocab_size < real.vocab_size)
     assert (twin.sliding_window is None) == (real.sliding_window is None)

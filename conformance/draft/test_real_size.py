@@ -25,7 +25,8 @@ RAM_BUDGET_GIB = 16   # reported against, not asserted: the figure is what matte
 
 def run_shape(shape: str, workdir: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "conformance.draft.real_size", shape, str(workdir)], cwd=ROOT, env=env,
+    command = [sys.executable, "-m", "conformance.draft.real_size", shape, str(workdir)]
+    result = subprocess.run(command, cwd=ROOT, env=env,
                             capture_output=True, text=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     assert result.returncode == 0 and lines, f"{shape} run failed (exit {result.returncode}):\n{result.stderr[-3000:]}"
@@ -41,8 +42,12 @@ def test_real_size_step0_on_cpu(shape, benchmark, report, tmp_path):
         "shape": shape, "parameters": out["parameters"], "tokens": out["tokens"],
         "seconds": out["total_seconds"], "peak RSS GiB": out["peak_rss_gib"], "budget GiB": RAM_BUDGET_GIB,
         "phases (s)": ", ".join(f"{k} {v}" for k, v in out["seconds"].items()),
-        "result": "; ".join(f"{c['impl']}: " + ("conforms" if c["first_divergence"] is None else
-                                                f"step {c['first_divergence']['step']} {c['first_divergence']['stage']}")
+        "result": "; ".join(f"{c['impl']}: " + _first(c)
                             for c in out["comparisons"])})
     failures = [c["message"] for c in out["comparisons"] if c["first_divergence"] is not None]
     assert not failures, "\n".join(failures)
+
+
+def _first(comparison: dict) -> str:
+    first = comparison["first_divergence"]
+    return "conforms" if first is None else f"step {first['step']} {first['stage']}"

@@ -75,12 +75,12 @@ def test_sglang_fused_shards_are_mapped_back(drafts):
     """q/k/v land in rows [0:nh*hd], [nh*hd:+nkv*hd], [..:+nkv*hd] of qkv_proj; gate/up in halves of gate_up."""
     cfg = GQA.config
     landed = dict(accounts_of(drafts, GQA)["sglang"].landed)
-    q, kv, I = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
     qkv, gate_up = "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"
     assert landed["layers.0.self_attn.q_proj.weight"] == f"{qkv}[0:{q}]"
     assert landed["layers.0.self_attn.k_proj.weight"] == f"{qkv}[{q}:{q + kv}]"
     assert landed["layers.0.self_attn.v_proj.weight"] == f"{qkv}[{q + kv}:{q + 2 * kv}]"
-    assert landed["layers.0.mlp.up_proj.weight"] == f"{gate_up}[{I}:{2 * I}]"
+    assert landed["layers.0.mlp.up_proj.weight"] == f"{gate_up}[{inter}:{2 * inter}]"
     assert landed["d2t"] == "hot_token_id (d2t + arange)"
 
 

@@ -158,7 +158,8 @@ def test_case_ids_are_unique_and_readable():
 def test_stage_names_are_unique_and_ordered():
     names = stages.stage_names(3)
     assert len(names) == len(set(names))
-    assert names.index("fc_out") < names.index("layers.0.hidden_norm") < names.index("layers.2.layer_out") < names.index("logits")
+    order = [names.index(s) for s in ("fc_out", "layers.0.hidden_norm", "layers.2.layer_out", "logits")]
+    assert order == sorted(order), order
     assert "layers.1.embeds_norm" not in names
 
 

@@ -34,7 +34,8 @@ def hf_config(cfg: ref.Eagle3Config) -> LlamaConfig:
 def assert_same(name: str, actual: torch.Tensor, expected: torch.Tensor):
     __tracebackhide__ = True
     r = compare_tensors(0, name, actual, expected, F32)
-    assert not r.failed, f"reference {name} differs from transformers: max abs {r.max_abs:.3e} at {r.abs_index} {r.detail}"
+    assert not r.failed, (f"reference {name} differs from transformers: max abs {r.max_abs:.3e} at {r.abs_index} "
+                          f"{r.detail}")
 
 
 def causal_mask(T: int) -> torch.Tensor:
@@ -80,7 +81,8 @@ def test_rotary_matches_llama_rotary_embedding(rope):
     cos, sin = ref.rope_cos_sin(cfg, positions, F32)
     assert_same(f"rope_{rope}.cos", cos, cos_hf[0])
     assert_same(f"rope_{rope}.sin", sin, sin_hf[0])
-    q = torch.randn(positions.numel(), cfg.num_attention_heads, cfg.head_dim, generator=torch.Generator().manual_seed(5), dtype=F32)
+    q = torch.randn(positions.numel(), cfg.num_attention_heads, cfg.head_dim,
+                    generator=torch.Generator().manual_seed(5), dtype=F32)
     expected, _ = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[None], sin[None])
     assert_same("q_rot", ref.rotate(q, cos, sin), expected[0].transpose(0, 1))
 

@@ -10,7 +10,9 @@ import torch
 from conformance.adapters.sglang.target import AuxIds, DraftConfigRefused, sglang_aux_layer_ids
 from conformance.core.compare import OK, compare_tensors
 from conformance.core.registry import REGISTRY
-from conformance.wiring.cases import CASES_BY_ID, MISSING, N, SEED_LAYERS, WRONG, known_wiring, layer_list, shrink, wiring_matrix
+from conformance.wiring.cases import (
+    CASES_BY_ID, MISSING, N, SEED_LAYERS, WRONG, known_wiring, layer_list, shrink, wiring_matrix,
+)
 from conformance.wiring.comparison import compare_capture
 from conformance.checkpoints import sha256
 from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS, TARGETS_BY_ID
@@ -61,7 +63,8 @@ def test_swapped_slots_are_named(llama_run):
     message = comparison.message("python -m pytest 'x::y'")
     assert not comparison.ok and comparison.kind == WRONG, message
     assert f"training: {layer_list(training)}  serving: {layer_list(served)}" in message, message
-    assert "slot 0: training 2, serving 5  <- differs" in message and "slot 2: training 7, serving 7  ok" in message, message
+    assert "slot 0: training 2, serving 5  <- differs" in message, message
+    assert "slot 2: training 7, serving 7  ok" in message, message
     assert "max abs" in message and "repro: python -m pytest" in message, message
 
 
@@ -142,7 +145,8 @@ def test_building_targets_leaves_the_global_generator_alone(tmp_path):
 
     before = torch.random.get_rng_state().clone()
     WiringStore(tmp_path).serve(TARGETS_BY_ID["kimi_k25"], CASES_BY_ID["speculators_default"], "sglang")
-    assert torch.equal(before, torch.random.get_rng_state()), "building or running a target drew from the global generator"
+    assert torch.equal(before, torch.random.get_rng_state()), \
+        "building or running a target drew from the global generator"
 
 
 def test_speculators_id_rules_are_speculators_own(wiring):

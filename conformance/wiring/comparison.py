@@ -11,7 +11,10 @@ from conformance.adapters.sglang.target import (
 )
 from conformance.core.compare import OK, StageResult, compare_tensors
 
-from conformance.wiring.cases import AUX_STAGE, CAPTURE_FAILED, DEEPER, DEFAULT_LIST, DTYPE, MATCH, MISSING, N, REFUSED, SHALLOWER, WRONG, boundary_name, layer_list
+from conformance.wiring.cases import (
+    AUX_STAGE, CAPTURE_FAILED, DEEPER, DEFAULT_LIST, DTYPE, MATCH, MISSING, N, REFUSED, SHALLOWER, WRONG,
+    boundary_name, layer_list,
+)
 
 
 # ---------------------------------------------------------------- the comparison

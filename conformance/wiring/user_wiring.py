@@ -189,6 +189,16 @@ def _fix(run: TwinRun, training: tuple[int, ...], use_aux: bool) -> str:
             f"config.json (verified: SGLang's {cls} then captures {layer_list(training, n)} on the twin)")
 
 
+def _unstated(trainer: Trainer, serving: tuple[str, ...] | None, n: int) -> str:
+    """When nothing says how the draft was trained, the ids were read in SGLang's Llama convention: if training
+    did capture what SGLang captures, the user says so and the draft is served as trained."""
+    if trainer.name is not None or trainer.stated_ids is not None or not serving or "?" in serving:
+        return ""
+    layers = ",".join(str(n) if b == "final" else b for b in serving)
+    return (f"; or, if training did capture {layer_list(serving, n)} (the trainer is not stated, so the ids were "
+            f"read as output-of-layer ids), say so: --trained-aux-layers {layers}")
+
+
 def check_user_wiring(draft_dir: Path, target_config: Path, trainer: Trainer, root: Path) -> UserWiring:
     """SGLang's capture for this draft on a twin of this target against training's, slot by slot.
     CheckpointError (bad input) when the target config is unreadable."""
@@ -242,8 +252,8 @@ def check_user_wiring(draft_dir: Path, target_config: Path, trainer: Trainer, ro
         out.problems.append(Problem(
             f"SGLang feeds the draft other target layers than it was trained on ({out.lists()})",
             "aux slots (the draft's input aux_in): " + "; ".join(differs),
-            "; ".join(out.lines()[3:]), _capture_cause(run), _fix(run, training, aux_ids.use_aux), WIRING,
-            key="wiring:aux-layers"))
+            "; ".join(out.lines()[3:]), _capture_cause(run), _fix(run, training, aux_ids.use_aux) + _unstated(
+                trainer, out.serving, n), WIRING, key="wiring:aux-layers"))
     return out
 
 

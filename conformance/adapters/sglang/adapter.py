@@ -8,6 +8,7 @@ running-real-implementations.md); the runtime it needs is set up once per proces
 from __future__ import annotations
 
 import contextlib
+import weakref
 from pathlib import Path
 from typing import ClassVar
 
@@ -35,7 +36,8 @@ class SGLangAdapter:
     draft_group: ClassVar[int | None] = None   # its attention runs per request: grouping gains nothing
     serving_decode: ClassVar[bool] = True
     silent_drop: ClassVar[str | None] = ("load_weights loads a tensor only `if param_name in params_dict` "
-                                         "(sglang/srt/models/llama_eagle3.py:363, 373) and skips the rest without a word")
+                                         "(sglang/srt/models/llama_eagle3.py:363, 373) and skips the rest "
+                                         "without a word")
 
     @classmethod
     def version(cls) -> str | None:
@@ -91,6 +93,9 @@ class LoadedSGLang:
         self.device = device
         self.attention_backend = attention_backend(device)
         self.recorder = Recorder(model)
+        # SGLang shares a RotaryEmbedding between models (get_rope's cache): the hooks on it would keep
+        # every loaded model alive, so they go when this LoadedSGLang does.
+        weakref.finalize(self, self.recorder.detach)
         self.passes: list = []   # (backend, ForwardBatch) of each forward pass of the last run()
         attn0 = model.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
