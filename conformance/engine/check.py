@@ -19,7 +19,7 @@ from conformance.engine.simulate import ReferenceRound
 
 IMPL = "sglang engine"
 # What the capture sees of a served pass: every canonical stage but draft_ids (the worker maps them to
-# target ids at once; the drafted target ids are read from its draft_forward result).
+# target ids at once; the drafted target ids are read from what draft() hands to verification).
 CLAIMED = frozenset(S.PRE + S.LAYER + S.POST) - {"draft_ids"}
 POSITIONS, ACCEPTED = "positions", "accepted_drafts"
 # The tree draft_forward hands to verification, by the reference tree's stage names (reference/tree.py).
@@ -76,6 +76,10 @@ def compare_round(served: ServedRound, ref: ReferenceRound, case_id: str, chain:
     steps = min(len(trace.steps), len(ref.trace.steps))
     cmp = compare_traces(trace, ref.trace, case_id, steps=steps)
     results = []
+    if len(trace.steps) != len(ref.trace.steps):
+        results.append(StageResult(steps - 1, "draft_passes", DIVERGED, detail=(
+            f"SGLang ran {len(trace.steps)} draft steps (step 0 and its decode passes), the reference "
+            f"{len(ref.trace.steps)}")))
     for step in range(steps):
         results.append(exact(step, POSITIONS, *positions[step]))
         results += [r for r in cmp.results if r.step == step]

@@ -68,3 +68,17 @@ FAULTS = (
                  "of the row before the last accepted one",
                  _group("hidden_from_wrong_row", fault_yaml=HIDDEN_FROM_WRONG_ROW), 1, 1, "hidden_in"),
 )
+
+# Not a serving fault but a broken engine: the scheduler raises in its first verify. SGLang's default answer
+# (a SIGQUIT that kills the whole process tree, this session included) is replaced by a one-line failure of
+# this group alone (conformance/adapters/sglang/engine.py).
+CRASH_IN_VERIFY = """
+patches:
+  - target: sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify
+    edits:
+      - match: |
+          return run_eagle_verify(
+        prepend: |
+          raise RuntimeError("planted crash in verify")
+"""
+CRASH = _group("crash_in_verify", fault_yaml=CRASH_IN_VERIFY)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.core.report import Section
-from conformance.engine.faults import FAULT_PROMPT, FAULTS
+from conformance.engine.faults import CRASH, FAULT_PROMPT, FAULTS
 from conformance.engine.findings import lane_failures, scenario_findings
 from conformance.engine.reporting import record_group
 from conformance.engine.scenarios import GROUPS
@@ -50,3 +50,17 @@ def test_planted_serving_fault_fails_the_lane(fault, engine_lane, report, repro)
         f"step {fault.step} '{fault.stage}'\n{finding.divergence.message(repro)}")
     message = finding.rounds_failure(repro)
     assert f"round {fault.round}" in message and f"stage '{fault.stage}'" in message, message
+
+
+def test_scheduler_crash_fails_its_group_in_one_line(engine_lane, report):
+    """A scheduler that fails while serving fails its own group with one line; the session goes on (SGLang's
+    default would kill this process) and no SGLang process is left behind."""
+    import psutil
+
+    run = engine_lane.run(CRASH)
+    record_group(report, run, engine_lane.recorded)
+    assert run.error and "EngineFailed" in run.error and "\n" not in run.error, run.error
+    # An exited child not yet reaped by multiprocessing is a zombie: gone, not running.
+    left = [p.name() for p in psutil.Process().children(recursive=True)
+            if p.name().startswith("sglang::") and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"SGLang processes left running: {left}"

@@ -3,13 +3,14 @@
 Unmodified `sglang.Engine`: the tokenizer manager in this process, scheduler and detokenizer as
 spawned processes, `TpModelWorker`/`ModelRunner`, the EAGLE-3 spec-v2 worker, the radix cache and
 SGLang's own accept accounting (`meta_info`). What the scheduler process needs on a CPU host is set
-up there by engine_shims.py; `ServedEngine.read_events()` returns what its capture recorded.
+up there by engine_shims.py; `read_events()` returns what its capture recorded.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
+import multiprocessing
 import os
 import signal
 import time
@@ -100,6 +101,9 @@ class ServedEngine:
         self.capture_dir = capture_dir
         self.requested = dict(server_args)
         self.failed: str | None = None
+        # Engine.__init__ sets process-wide state for its children (environment variables, the spawn start
+        # method: entrypoints/engine.py:1878-2000); shutdown() gives this process its own back.
+        self._environ, self._start_method = dict(os.environ), multiprocessing.get_start_method(allow_none=True)
         start = time.perf_counter()
         try:
             with launch_environment({"TRITON_INTERPRET": "1", **(env or {})}):
@@ -109,16 +113,20 @@ class ServedEngine:
                     **BASE_ARGS, **server_args)
         except BaseException:
             kill_process_tree(os.getpid(), include_parent=False)   # what Engine.shutdown does
+            self._restore()
             raise
         finally:
             signal.signal(signal.SIGQUIT, signal.SIG_DFL)
         # Once running, SGLang's tokenizer manager answers a child's SIGQUIT by killing the process tree
         # (tokenizer_manager.py:4072-4081). Instead: stop the event loop, so that the request in flight
         # fails with EngineFailed and the caller shuts the engine down.
-        self.loop = self.engine.tokenizer_manager.event_loop
-        if self.loop is None:   # SGLang installs its handler when it makes the loop (on first use otherwise)
-            self.engine.tokenizer_manager.auto_create_handle_loop()
-            self.loop = self.engine.tokenizer_manager.event_loop
+        manager = self.engine.tokenizer_manager
+
+        async def handle_loop():   # made on first use otherwise, on the running loop, with SGLang's handler
+            manager.auto_create_handle_loop()
+
+        self.engine.loop.run_until_complete(handle_loop())
+        self.loop = manager.event_loop
         self.loop.add_signal_handler(signal.SIGQUIT, self._child_failed)
         self.start_seconds = time.perf_counter() - start
         self.generate_seconds = 0.0
@@ -151,8 +159,17 @@ class ServedEngine:
         return [Served(list(p), list(o["output_ids"]), dict(o["meta_info"])) for p, o in zip(prompts, outs)]
 
     def shutdown(self) -> None:
-        self.loop.remove_signal_handler(signal.SIGQUIT)
-        self.engine.shutdown()
+        """SGLang's shutdown (it ends every child process of this process), then this process's state back."""
+        try:
+            self.loop.remove_signal_handler(signal.SIGQUIT)
+            self.engine.shutdown()
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        os.environ.clear()
+        os.environ.update(self._environ)
+        multiprocessing.set_start_method(self._start_method, force=True)
 
 
 def read_events(capture_dir: Path) -> list[tuple[dict, dict[str, torch.Tensor]]]:
