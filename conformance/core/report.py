@@ -60,6 +60,7 @@ class Section(StrEnum):
     ENGINE_SHIMS = "engine: scheduler-process shims"
     ENGINE_TREE = "engine: tree rounds vs the exact tree"
     ENGINE_FAULTS = "engine: planted serving faults"
+    ENGINE_ACCEPT = report_render.ACCEPT_SECTION   # its chart: report_render.ACCEPT_CHART_FILE
     # throughput
     THROUGHPUT = "draft throughput (timings: vary run to run)"
 
@@ -134,6 +135,7 @@ class Report:
         _atomic_write(directory / "report.json", json.dumps(data, indent=1) + "\n")
         _atomic_write(directory / "report.md", report_render.markdown(data))
         report_render.write_chart(data, directory / CHART_FILE)
+        report_render.write_accept_chart(data, directory / report_render.ACCEPT_CHART_FILE)
 
 
 def _comparison(e: Entry) -> dict:

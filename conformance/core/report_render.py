@@ -10,6 +10,12 @@ from conformance.core.compare import ABSENT, DIVERGED, MISSING
 from conformance.core.stages import stage_kind, stage_names
 
 CHART_FILE = "stage_error.png"
+# The engine lane's accept-length bridge (conformance/engine/bridge.py): its section, chart and plotted columns.
+ACCEPT_SECTION = "engine: training accuracy to measured accept length"
+ACCEPT_CHART_FILE = "accept_length.png"
+ACCEPT_COLUMNS = ("predicted (speculators' full_acc, all held-out rows)", "SGLang measured (meta_info)",
+                  "simulated (reference, same requests)", "SGLang per verify round (histogram)",
+                  "training's scores at the engine's rounds")
 CHART_FLOOR = 1e-12   # exact stages are drawn here on the log scale
 PASS, KNOWN, FAIL = "pass", "known divergence", "FAIL"   # the outcomes of a comparison
 Summary = dict[tuple[str, str], dict[tuple[int, str], tuple[float | None, float | None, int]]]
@@ -106,6 +112,8 @@ def markdown(data: dict) -> str:
         md += ["## How each implementation ran", "", *_rows_table(notes), ""]
     for name, rows in data["sections"].items():
         md += [f"## {name}", "", *_rows_table(rows), ""]
+        if name == ACCEPT_SECTION:
+            md += [f"![accept length per K: predicted, measured, simulated]({ACCEPT_CHART_FILE})", ""]
     return "\n".join(md) + "\n"
 
 
@@ -198,6 +206,41 @@ def write_chart(data: dict, path: Path) -> None:
     axes[0].set_title(f"max abs error vs the reference per stage (floor {CHART_FLOOR:g}; red x: diverged)", fontsize=9)
     if summary:
         axes[0].legend(fontsize=7)
+    _save_png(fig, path)
+
+
+def write_accept_chart(data: dict, path: Path) -> None:
+    """A PNG of accept length per chain K from the accept-length section's rows (nothing written when the
+    engine lane did not run): the prediction, SGLang's measurement and the simulation (drawn over it:
+    equal when the engine conforms), and SGLang's per-round figure. Deterministic: no metadata."""
+    rows = sorted(data["sections"].get(ACCEPT_SECTION, []), key=lambda r: r["K"])
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    predicted, measured, simulated, per_round, _ = ACCEPT_COLUMNS
+    styles = ((predicted, dict(marker="o", linestyle="-")), (measured, dict(marker="s", linestyle="-", markersize=9)),
+              (simulated, dict(marker="x", linestyle="none", markersize=9, color="black", zorder=3)),
+              (per_round, dict(marker="^", linestyle="--")))
+    fig = Figure(figsize=(7.0, 4.2), dpi=100)
+    ax = fig.subplots()
+    ks = [r["K"] for r in rows]
+    for column, style in styles:
+        ax.plot(ks, [r[column] for r in rows], label=column, **style)
+    ax.set_xticks(ks)
+    ax.set_xlabel("chain draft steps K")
+    ax.set_ylabel("accept length (tokens per verify round)")
+    ax.set_title("trained tiny draft: predicted vs SGLang engine vs reference simulation", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save_png(fig, path)
+
+
+def _save_png(fig, path: Path) -> None:
+    """Written atomically, without metadata (no software version, no date): identical inputs, identical bytes."""
     fig.tight_layout()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "wb") as f:

@@ -47,3 +47,12 @@ def record_request(report: Report, scenario_id: str, finding: RequestFinding, ne
         "rounds conforming": f"{finding.conforming_rounds}/{len(finding.request.rounds)}",
         "first divergence": "none" if first is None else
         f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`"})
+
+
+def record_accept_rows(report: Report, rows: dict, recorded: set) -> None:
+    """Once per session: the accept-length bridge, one row per chain K (conformance/engine/bridge.py)."""
+    if "accept rows" in recorded:
+        return
+    recorded.add("accept rows")
+    for row in rows.values():
+        report.add_row(Section.ENGINE_ACCEPT, row.report_row())

@@ -8,15 +8,17 @@ its scheduler process needs are in conformance/adapters/sglang/engine_shims.py a
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 
 import pytest
 
 from conformance.core.matching import KnownDivergenceHit, match_forward, settle
 from conformance.core.registry import applicable
 from conformance.core.report import Section
+from conformance.engine.bridge import accept_rows, bridge_failures, served_ks
 from conformance.engine.check import compare_tree_round
 from conformance.engine.findings import scenario_findings
-from conformance.engine.reporting import record_group, record_request
+from conformance.engine.reporting import record_accept_rows, record_group, record_request
 from conformance.engine.scenarios import GROUPS
 
 pytestmark = pytest.mark.engine
@@ -158,3 +160,31 @@ def test_seed_flags_verify_width_is_what_sglang_resolved(group, scenario, engine
     assert widths == {resolved}, f"verify width served {sorted(widths)}, SGLang resolved {resolved}"
     for q in scenario_run.requests:
         assert q.served.meta["spec_accept_length"] <= resolved, f"{q.label}: accept length above the verify width"
+
+
+def test_training_accuracy_to_measured_accept_length(engine_lane, acceptance, report, repro):
+    """Per chain K the lane served, speculators' predicted accept length next to the one SGLang's engine
+    measured and the reference's simulation of the same requests (report table and accept_length.png).
+    The engine equals the simulation exactly, and speculators' per-row training scores at the engine's own
+    rounds give SGLang's per-round accept length exactly; the prediction over all held-out rows is shown
+    beside them, not asserted (other rows)."""
+    rows = accept_rows(engine_lane, acceptance.prediction)
+    record_accept_rows(report, rows, engine_lane.recorded)
+    failures = bridge_failures(rows, served_ks())
+    assert not failures, "sglang engine vs reference [accept length per K, fp32]:\n  " + "\n  ".join(failures) + (
+        f"\n  repro: {repro}")
+
+
+def test_accept_length_check_fails_on_a_mismatched_row(engine_lane, acceptance):
+    """Meta: the bridge's check catches a planted mismatch in each column it holds exact, and a missing K."""
+    rows = accept_rows(engine_lane, acceptance.prediction)
+    assert rows and not bridge_failures(rows, served_ks()), "the unplanted rows must pass (see the test above)"
+    K = max(rows)
+    row = rows[K]
+    plants = {"measured": dataclasses.replace(row, measured=row.measured + Fraction(1, row.rounds)),
+              "training's rows": dataclasses.replace(row, trained_rows=row.per_round - Fraction(1, row.rounds))}
+    for what, planted in plants.items():
+        failures = bridge_failures({**rows, K: planted}, served_ks())
+        assert len(failures) == 1 and failures[0].startswith(f"K = {K} "), f"planted {what}: {failures}"
+    missing = bridge_failures({k: v for k, v in rows.items() if k != K}, served_ks())
+    assert missing == [f"K = {K}: no accept-length row (the engine at K = {K} did not serve)"], missing
