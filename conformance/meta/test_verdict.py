@@ -5,7 +5,10 @@ conformance/user/example_draft.py), written in SGLang's format so that nothing e
 exit code 1, the verdict line, and the named cause (its registry entry, its file:line) and fix. A
 speculators-format directory fails with SGLang's own refusal as problem 1 and nothing else; a clean draft
 in every format SGLang reads as written exits 0 "served as trained"; bad input exits 4 with one line.
-The runs are independent subprocesses, two at a time.
+The seed, from files: a draft trained on [embed, 3, 31] whose config.json was rewritten to ids SGLang
+turns into [3, 31, 59] on the real Kimi-K2.5 config is exactly that slot-by-slot problem, and the draft
+rewired as the verdict says exits 0; the seed's server flags on a user draft show the 16 -> 2 draft
+tokens. The runs are independent subprocesses, two at a time.
 """
 from __future__ import annotations
 
@@ -24,13 +27,17 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conformance.user.example_draft import DROPPED_TENSOR, PLANTS, write_example
-from conformance.user.servable import conversion_findings, directory_problem
+from conformance.user.servable import conversion_findings, directory_problem, served_ids
 from conformance.user.verdict import DIRECTORY, FORWARD, LOADING, OTHER, Problem, Verdict
+from fixtures.real_configs import REAL_CONFIGS
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 2
 HEADLINE = re.compile(r"^VERDICT: (served as trained|NOT served as trained: (\d+) problems?)$", re.M)
+KIMI = REAL_CONFIGS / "target" / "moonshotai--Kimi-K2.5.json"     # 61 layers: SGLang's DeepSeek class
+SEED_ARGS = "--speculative-eagle-topk 1 --speculative-num-steps 1 --speculative-num-draft-tokens 16"
+TRAINED_ON = "--trained-aux-layers=embed,3,31"
 
 
 def run_pytest(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -48,6 +55,8 @@ class Plant:
     exit: int
     problems: int | None      # the exact count, when the draft has exactly one thing wrong
     named: tuple[str, ...]    # what the verdict block must name: the cause's entry and file:line, the fix
+    args: tuple[str, ...] = ()           # the run's options besides --draft-checkpoint
+    eagle_ids: tuple[int, ...] | None = None   # config.json's eagle_config ids, rewritten for serving
 
 
 PLANTED = [
@@ -69,7 +78,20 @@ PLANTED = [
            "transformers/models/auto/configuration_auto.py", "python -m conformance.user.convert draft draft-sglang")),
 ]
 CLEAN = [Plant(f"clean_{fmt}", fmt, None, 0, 0, ()) for fmt in ("sglang", "sglang-legacy", "specforge")]
-CASES = PLANTED + CLEAN
+SEED = [
+    Plant("kimi_seed", "sglang", None, 1, 1,
+          ("1. SGLang feeds the draft other target layers than it was trained on (training: [embed, 3, 31]  "
+           "serving: [3, 31, 59])", "slot 0: training embed, serving 3  <- differs",
+           "slot 1: training 3, serving 31  <- differs", "slot 2: training 31, serving 59  <- differs",
+           "deepseek_v2.py:", '"eagle_aux_hidden_state_layer_ids": [0, 3, 31]'),
+          (f"--target-config={KIMI}", TRAINED_ON), (3, 31, 59)),
+    Plant("kimi_rewired", "sglang", None, 0, 0, (), (f"--target-config={KIMI}", TRAINED_ON), (0, 3, 31)),
+    Plant("seed_flags", "sglang", None, 1, 1,
+          ("draft tokens silently reduced: 16 asked, 2 served", "speculative_num_draft_tokens is adjusted",
+           "sglang/srt/arg_groups/speculative_hook.py:", "--speculative-num-draft-tokens"),
+          (f"--sglang-args={SEED_ARGS}",)),
+]
+CASES = PLANTED + CLEAN + SEED
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +102,22 @@ def runs(tmp_path_factory) -> dict[str, Future]:
 
     def run(case: Plant):
         draft, _, _ = write_example(root / case.id, case.fmt, plant=case.plant)
+        if case.eagle_ids is not None:
+            write_eagle_ids(draft, case.eagle_ids)
         start = time.perf_counter()
-        result = run_pytest(f"--draft-checkpoint={draft}")
+        result = run_pytest(f"--draft-checkpoint={draft}", *case.args)
         return result, time.perf_counter() - start
 
     futures = {case.id: pool.submit(run, case) for case in CASES}
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
+
+
+def write_eagle_ids(draft: Path, ids) -> None:
+    """config.json rewritten for serving: eagle_config ids only, nothing else changed."""
+    config = json.loads((draft / "config.json").read_text())
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True}
+    (draft / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def verdict_block(stdout: str) -> str:
@@ -124,6 +155,20 @@ def test_bad_input_exits_4_with_one_line(tmp_path):
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert result.returncode == 4, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr}"
     assert len(lines) == 1 and "model.safetensors: tensor fc.weight: nan at index (1, 2)" in lines[0], lines
+
+
+@pytest.mark.parametrize("option,words", [
+    ("--trained-aux-layers=embed,x,31", "'x' is not a layer"),
+    ("--trained-aux-layers=embed,3", "2 layers, but the draft's fc reads 3 aux states"),
+    (f"--trained-aux-layers=embed,3,62 --target-config={KIMI}", "layer 62 is beyond the target's 61 layers"),
+    ("--sglang-args=--speculative-num-steps=three", "--speculative-num-steps: invalid int value"),
+], ids=["not_a_layer", "count", "beyond_target", "sglang_args"])
+def test_bad_options_exit_4_with_one_line(option, words, tmp_path):
+    draft, _, _ = write_example(tmp_path, "sglang")
+    result = run_pytest(f"--draft-checkpoint={draft}", *option.split(" "))
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 4, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert len(lines) == 1 and words in lines[0], lines
 
 
 def test_every_plant_is_checked():
@@ -202,9 +247,9 @@ def test_the_conversion_check_names_what_a_conversion_lost(converted, tmp_path):
     from conformance.user.trainer import resolve_trainer
 
     draft, out = converted
-    trainer = resolve_trainer(open_checkpoint(draft))
+    intended = served_ids(resolve_trainer(open_checkpoint(draft)), None, tmp_path / "twins")
     good = {impl: account(impl, out) for impl in ("reference", "sglang")}
-    assert conversion_findings(draft, out, trainer, good) == []
+    assert conversion_findings(draft, out, intended, good) == []
     bad = shutil.copytree(out, tmp_path / "bad")
     config = json.loads((bad / "config.json").read_text())
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]   # speculators' ids verbatim
@@ -214,8 +259,8 @@ def test_the_conversion_check_names_what_a_conversion_lost(converted, tmp_path):
     weights.pop("fc_norm.1.weight")
     save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
     accounts = {"reference": good["reference"], "sglang": account("sglang", bad)}
-    findings = conversion_findings(draft, bad, trainer, accounts)
+    findings = conversion_findings(draft, bad, intended, accounts)
     text = "\n".join(findings)
     assert "tensor fc_norm.1.weight: missing from the conversion" in text, text
-    assert "SGLang reads eagle_config ids [2, 4, 5]" in text and "so [1, 3, 4]" in text, text
+    assert "SGLang reads eagle_config ids [2, 4, 5]" in text and "must give it [1, 3, 4]" in text, text
     assert "fc_norm: SGLang builds False, training has True" in text, text

@@ -10,6 +10,7 @@ SGLang will capture, the norms and the vocabulary SGLang builds.
 """
 from __future__ import annotations
 
+import json
 import traceback
 from pathlib import Path
 
@@ -47,12 +48,15 @@ def raise_site(exc: BaseException) -> str:
     return " -> ".join(dict.fromkeys(parts)) or type(exc).__name__
 
 
-def directory_problem(path: Path, fmt: str, shown: str) -> Problem | None:
-    """None when SGLang reads `path` as an EAGLE-3 Llama draft; else why not, with the conversion."""
+def directory_problem(path: Path, fmt: str, shown: str, convert_args: str = "") -> Problem | None:
+    """None when SGLang reads `path` as an EAGLE-3 Llama draft; else why not, with the conversion
+    (`convert_args`: the converter's options for this run's target and training layers)."""
     from sglang.srt.utils.hf_transformers.mistral_utils import is_mistral_model
 
-    fix = (f"convert it: {CONVERT} {shown} {shown}-sglang (architectures {DRAFT_CLASS}, aux ids in SGLang's "
-           "eagle_config convention, every tensor unchanged); the rest of this verdict judges that conversion")
+    ids = "for the target's class" if "--target-config" in convert_args else "in SGLang's eagle_config convention"
+    fix = (f"convert it: {CONVERT} {shown} {shown}-sglang{' ' + convert_args if convert_args else ''} "
+           f"(architectures {DRAFT_CLASS}, aux ids {ids}, every tensor unchanged); the rest of this verdict "
+           "judges that conversion")
     what, where = "SGLang cannot read this directory as written", f"{CONFIG_FILE} ({fmt} format)"
     try:
         config = sglang_config(path)
@@ -71,8 +75,50 @@ def directory_problem(path: Path, fmt: str, shown: str) -> Problem | None:
     return None
 
 
-def conversion_findings(source: Path, served: Path, trainer, accounts: dict) -> list[str]:
-    """What the conversion did not keep: tensors, the aux ids SGLang reads, the knobs SGLang builds."""
+def served_ids(trainer, target_file: Path | None, root: Path) -> tuple[tuple[int, ...] | None, str]:
+    """The eagle_config ids a conversion writes, and why. None (no ids: SGLang captures its default list,
+    which is every trainer's default on every target class, conformance/wiring) when training used the
+    default layers; else the ids with which SGLang captures the training layers: found on a twin of the
+    target's own class (its set_eagle3_layers_to_capture and forward, conformance/wiring/user_wiring.py),
+    or, without --target-config, in the Llama classes' convention (output of layer i: id - 1)."""
+    from conformance.user.trainer import layer_names
+
+    trained = trainer.training_ids()   # None: no ids stored or stated, every trainer's default list applies
+    if trained is None:
+        return None, "training used the default layers, which SGLang captures without ids"
+    llama = tuple(i - 1 for i in trained)
+    if target_file is None:
+        return llama, (f"SGLang's Llama convention for {layer_names(trained)}, output of layer i = id - 1 "
+                       "(llama.py set_eagle3_layers_to_capture); --target-config fits them to the target's class")
+    from conformance.wiring.user_wiring import servable_ids
+
+    ids = servable_ids(Path(target_file), trained, Path(root))
+    if ids is None:
+        return llama, (f"no ids make SGLang's class for {Path(target_file).name} capture {layer_names(trained)}; "
+                       "the Llama convention is written and the wiring check shows what it captures")
+    return ids, f"SGLang's class for {Path(target_file).name} captures {layer_names(trained)} with them (on its twin)"
+
+
+def write_served_ids(draft_dir: Path, ids: tuple[int, ...] | None) -> None:
+    """Put `ids` in a converted config.json's eagle_config (no ids: SGLang's default list)."""
+    path = Path(draft_dir) / CONFIG_FILE
+    config = json.loads(path.read_text())
+    eagle = dict(config.get("eagle_config") or {})
+    if ids is None:
+        eagle.pop("eagle_aux_hidden_state_layer_ids", None)
+    else:
+        eagle.update(eagle_aux_hidden_state_layer_ids=list(ids), use_aux_hidden_state=True)
+    if eagle:
+        config["eagle_config"] = eagle
+    else:
+        config.pop("eagle_config", None)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def conversion_findings(source: Path, served: Path, intended: tuple[tuple[int, ...] | None, str],
+                        accounts: dict) -> list[str]:
+    """What the conversion did not keep: tensors, the aux ids SGLang reads (`intended`: served_ids'), the
+    knobs SGLang builds."""
     out = []
     before, after = read_weights(source), read_weights(served)
     for name, tensor in sorted(before.items()):
@@ -80,14 +126,12 @@ def conversion_findings(source: Path, served: Path, trainer, accounts: dict) -> 
             out.append(f"tensor {name}: missing from the conversion")
         elif after[name].dtype != tensor.dtype or not torch.equal(after[name], tensor):
             out.append(f"tensor {name}: not bit-exact after the conversion")
-    trained = trainer.training_ids()   # None: no ids stored, every trainer's default list applies
-    expected = None if trained is None else [i - 1 for i in trained]
+    expected, why = intended
     eagle = getattr(sglang_config(served), "eagle_config", None) or {}
     got = eagle.get("eagle_aux_hidden_state_layer_ids")
-    if got != expected:
-        out.append(f"aux ids: SGLang reads eagle_config ids {got} (output of layer i, "
-                   "spec_aux_hidden_state.py:185-196); "
-                   f"training used inputs of layers {list(trained) if trained else 'the default'}, so {expected}")
+    if got != (None if expected is None else list(expected)):
+        out.append(f"aux ids: SGLang reads eagle_config ids {got} (spec_aux_hidden_state.py:185-196); "
+                   f"the conversion must give it {None if expected is None else list(expected)}: {why}")
     ref, sgl = accounts["reference"].knobs, accounts["sglang"].knobs
     out += [f"{knob}: SGLang builds {sgl.get(knob)}, training has {ref.get(knob)}"
             for knob in KEPT_KNOBS if str(ref.get(knob)) != str(sgl.get(knob))]

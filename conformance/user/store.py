@@ -3,29 +3,46 @@ tiny cases, on copies of the user's files in each implementation's format.
 
 SGLang-family directories (SGLang's format, its legacy names, SpecForge's export) are given to SGLang
 as written; any other format goes through this suite's converter, and the verdict's first problem
-says so (conformance/user/servable.py).
+says so (conformance/user/servable.py). What runs, and what is reduced for a large draft, is the
+Plan's (conformance/user/plan.py).
 """
 from __future__ import annotations
 
+import dataclasses
+import gc
+import importlib
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conformance.adapters import ADAPTERS
+from conformance.adapters.base import Trace
 from conformance.checkpoints.directory import write_draft
+from conformance.checkpoints.formats import config_json
 from conformance.checkpoints.hidden_states import TinyTarget, read_dump, uses_tiny_target
 from conformance.checkpoints.knobs import CONFIG_FILE
 from conformance.checkpoints.training_data import MAX_TOKENS, Sample, first_samples, make_data_batch, make_samples
 from conformance.checkpoints.weights import WEIGHTS_FILE, read_weights
+from conformance.core.compare import Comparison, compare_traces
 from conformance.core.harness import DraftStore
+from conformance.core.tolerances import AGAINST, DTYPES
+from conformance.user.plan import STEPS, plan_for
+from conformance.user.servable import served_ids, write_served_ids
+from conformance.user.serving import STAND_IN
+from conformance.user.trainer import TRAINED_OPTION, layer_names
 from conformance.user.user_draft import SEED, USER_CASE_ID, UserInputs, user_case
 from fixtures.cases import DraftCase
 from reference.eagle3 import Eagle3Config
 
 SGLANG_FAMILY = ("sglang", "sglang-legacy", "specforge")   # formats SGLang loads as they are
 RANDOM_LENGTHS = (9, 5, 12)                 # token counts when no training data is given
+# SGLang modules whose import fails on a CPU host (no deep_ep, no torch_memory_saver) and which keep the
+# ImportError in a module global: imported first from here, the failing import's frames hold nothing; left
+# to the first model build and forward, those frames hold that model for the rest of the process.
+SGLANG_LAZY_IMPORTS = ("sglang.srt.utils.torch_memory_saver_adapter", "sglang.srt.model_executor.runner")
 
 
 def used_samples(inputs: UserInputs) -> list[Sample]:
@@ -47,6 +64,11 @@ class UserDraftStore(DraftStore):
         self._accounts: dict | None = None
         self.reported = False
         self.case = user_case(inputs.config, tuple(len(s.input_ids) - 1 for s in self.samples), inputs.source)
+        self.plan = plan_for(inputs.checkpoint.tensors)
+        self.eagle_ids: tuple[tuple[int, ...] | None, str] = (None, "")   # what the conversion wrote, and why
+        self._serving: dict = {}
+        for module in SGLANG_LAZY_IMPORTS:
+            importlib.import_module(module)
 
     @property
     def converted(self) -> bool:
@@ -67,24 +89,56 @@ class UserDraftStore(DraftStore):
         case = self.case
         if case.id not in self._checkpoints:
             src, cfg = self.inputs.checkpoint, self.inputs.config
-            weights = read_weights(src.path)
-            if "embed_tokens.weight" not in weights:
-                dtype = weights["fc.weight"].dtype
-                weights["embed_tokens.weight"] = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64,
-                                                             generator=torch.Generator().manual_seed(SEED)).to(dtype)
             root = self.root / case.id
-            dirs = {"speculators": write_draft(cfg, weights, root / "speculators", "speculators")}
-            if src.format in SGLANG_FAMILY:
-                dirs["sglang"] = root / "sglang"
+            linkable = _linkable(src)
+            weights = {} if linkable else _weights(src.path, cfg)
+            dirs = {"speculators": root / "speculators", "sglang": root / "sglang"}
+            if linkable and all(i.stored_name == n for n, i in src.tensors.items()):
+                _linked(src.path, dirs["speculators"], config_json(cfg, "speculators"))
+            else:
+                write_draft(cfg, weights or _weights(src.path, cfg), dirs["speculators"], "speculators")
+            if src.format in SGLANG_FAMILY and linkable:
+                _linked(src.path, dirs["sglang"])
+            elif src.format in SGLANG_FAMILY:
                 dirs["sglang"].mkdir(parents=True, exist_ok=True)
                 stored = {src.tensors[k].stored_name if k in src.tensors else k: v.contiguous()
-                          for k, v in weights.items()}
+                          for k, v in (weights or _weights(src.path, cfg)).items()}
                 save_file(stored, str(dirs["sglang"] / WEIGHTS_FILE), metadata={"format": "pt"})
                 shutil.copyfile(src.path / CONFIG_FILE, dirs["sglang"] / CONFIG_FILE)
             else:
-                dirs["sglang"] = write_draft(cfg, weights, root / "sglang", "sglang")
+                write_draft(cfg, weights or _weights(src.path, cfg), dirs["sglang"], "sglang")
+                self.eagle_ids = served_ids(self.inputs.trainer, self.inputs.target_file, self.root / "twins")
+                write_served_ids(dirs["sglang"], self.eagle_ids[0])
             self._checkpoints[case.id] = dirs
         return self._checkpoints[case.id]
+
+    def trace(self, impl: str, case: DraftCase, dtype: torch.dtype, steps: int = 1,
+              teacher_forced: bool = True) -> Trace:
+        """The user's case under one key whatever it is labelled (the multi-step check relabels it); with
+        the plan's step0_from_steps, step 0 is read off the STEPS-step run. Each model is freed before the
+        next one loads (SGLang's holds reference cycles: gc.collect frees it, refcounts do not)."""
+        if not self.is_user(case):
+            return super().trace(impl, case, dtype, steps, teacher_forced)
+        if self.plan.step0_from_steps and steps == 1 and teacher_forced:
+            full = self.trace(impl, case, dtype, STEPS)
+            return dataclasses.replace(full, steps=full.steps[:1], rows=full.rows[:1])
+        key = (impl, self.case.id, dtype, steps, teacher_forced)
+        fresh = key not in self._traces
+        try:
+            return super().trace(impl, self.case, dtype, steps, teacher_forced)
+        finally:
+            if fresh and impl == "sglang":
+                gc.collect()
+
+    def compare(self, impl: str, case: DraftCase, dtype_name: str, steps: int = 1) -> Comparison:
+        """`impl` against the reference as conformance.core.harness.compare_with_reference does, with the
+        plan's precise reference (fp64; fp32 for a large draft); raises LoadFailed."""
+        dtype = DTYPES[dtype_name]
+        actual = self.trace(impl, case, dtype, steps)
+        same = self.trace("reference", case, dtype, steps)
+        precise = self.trace("reference", case, self.plan.precise, steps)
+        expected = precise if AGAINST[dtype] == torch.float64 else same
+        return compare_traces(actual, expected, case.id, precise=precise, same=same)
 
     def aux(self) -> list[torch.Tensor]:
         """Aux states per used sample: from the dump, from the tiny target, or seeded random."""
@@ -118,9 +172,18 @@ class UserDraftStore(DraftStore):
 
         if self._accounts is None:
             dirs = self.checkpoint(self.case)
-            self._accounts = {impl: account(impl, dirs[adapter.checkpoint_format], torch.float32, self.inputs.target)
-                              for impl, adapter in ADAPTERS.items()}
+            self._accounts = {}
+            for impl, adapter in ADAPTERS.items():
+                self._accounts[impl] = account(impl, dirs[adapter.checkpoint_format], self.plan.accounting,
+                                               self.inputs.target)
+                gc.collect()   # the model it loaded, before the next one loads
         return self._accounts
+
+    def serving(self, name: str, compute):
+        """A serving check's result (wiring, settings), computed once: several user checks read it."""
+        if name not in self._serving:
+            self._serving[name] = compute()
+        return self._serving[name]
 
     def report_rows(self) -> list[dict]:
         """What ran, for the report's "bring your own draft" section (no temp paths)."""
@@ -140,19 +203,68 @@ class UserDraftStore(DraftStore):
         rows += [{"item": "note", "value": n} for n in inputs.notes]
         return rows
 
+    def convert_args(self) -> str:
+        """The converter's options that reproduce this run's conversion (the user's file names only)."""
+        inputs, out = self.inputs, []
+        if inputs.target_file is not None:
+            out.append(f"--target-config {inputs.target_file.name}")
+        if inputs.trainer is not None and inputs.trainer.stated_ids is not None:
+            out.append(f"{TRAINED_OPTION} {layer_names(inputs.trainer.stated_ids)[1:-1].replace(' ', '')}")
+        return " ".join(out)
+
     def context(self) -> dict[str, str]:
         """What the verdict judged, in its own words (no temp paths)."""
         inputs = self.inputs
         self.aux()
+        self.checkpoint(self.case)   # the conversion's ids, for `served_as`
         layers = inputs.target["num_hidden_layers"] if inputs.target else None
         served = ("this suite's conversion to SGLang's format, checked (every tensor, aux ids, norms, vocabulary); "
                   "the directory as written is problem 1" if self.converted else "the directory as written")
+        ids, why = self.eagle_ids
+        if self.converted and why:
+            served += f"; eagle_config ids {list(ids) if ids else 'none'} ({why})"
         return {"draft": f"{inputs.source}: {_knob_summary(inputs.config)}",
                 "trainer": inputs.trainer.describe(layers) if inputs.trainer else "",
                 "served_as": served,
                 "inputs": (f"{len(self.samples)} samples of "
                            f"{inputs.data_file.name if inputs.data_file else 'seeded random ids'}; aux states: "
-                           f"{self.aux_source}")}
+                           f"{self.aux_source}" + (f"; {self.plan.reduced}" if self.plan.reduced else "")
+                           + (f"; {STAND_IN}" if inputs.sglang_args is not None and inputs.target_file is None
+                              else ""))}
+
+
+def _weights(path: Path, cfg: Eagle3Config) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (memory-mapped by safetensors); a missing embed_tokens is substituted by a
+    seeded random one, as every implementation then gets it."""
+    weights = read_weights(path)
+    if "embed_tokens.weight" not in weights:
+        dtype = weights["fc.weight"].dtype
+        weights["embed_tokens.weight"] = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64,
+                                                     generator=torch.Generator().manual_seed(SEED)).to(dtype)
+    return weights
+
+
+def _linkable(src) -> bool:
+    """One safetensors file, written by torch (metadata format pt, which transformers' loader asks for),
+    with embed_tokens: an implementation can read it where it lies."""
+    files = {i.file for i in src.tensors.values()}
+    if len(files) != 1 or next(iter(files)).name != WEIGHTS_FILE or "embed_tokens.weight" not in src.tensors:
+        return False
+    with safe_open(str(next(iter(files))), framework="pt") as f:
+        return (f.metadata() or {}).get("format") == "pt"
+
+
+def _linked(src: Path, out: Path, config: dict | None = None) -> Path:
+    """`out` with the source's weights linked (never written through) and its config, or `config`."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / WEIGHTS_FILE).symlink_to((src / WEIGHTS_FILE).resolve())
+    if config is None:
+        shutil.copyfile(src / CONFIG_FILE, out / CONFIG_FILE)
+    else:
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out
 
 
 def _knob_summary(cfg: Eagle3Config) -> str:

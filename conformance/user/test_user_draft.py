@@ -3,37 +3,38 @@ layout) as SGLang will serve it, against training semantics (the reference) on i
 
 In order: SGLang reads the directory as written (else that is the first problem, and the rest is
 judged on this suite's conversion, which is checked); step 0 and teacher-forced multi-step per
-implementation and dtype; weight accounting per implementation; the user's files left untouched.
+implementation and dtype (conformance/user/plan.py: what a large draft runs); weight accounting per
+implementation. The serving side (wiring, server flags) and the untouched files: test_user_serving.py.
 Every check that finds something fails and adds a problem to the verdict (conformance/user/verdict.py):
 a registered divergence that applies to this draft is the answer the user came for, never an xfail.
 """
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
 from conformance.adapters import IMPLEMENTATIONS
-from conformance.checkpoints.weights import sha256
 from conformance.core import registry
-from conformance.core.harness import LoadFailed, compare_with_reference
+from conformance.core.harness import LoadFailed
 from conformance.core.report import FAIL, PASS, Section
-from conformance.core.tolerances import DTYPES
 from conformance.loading.accounting import knob_rows
+from conformance.user.plan import FULL, STEPS, plan_for
 from conformance.user.problems import accounting_problems, forward_problem, load_problem
 from conformance.user.servable import conversion_findings, conversion_problem, directory_problem
-from conformance.user.verdict import OTHER, Problem
+from conformance.user.user_draft import INPUTS_KEY
+from conformance.user.verdict import Problem
 
 pytestmark = [pytest.mark.cpu, pytest.mark.user]
-STEPS = 3          # speculators' default TTT steps (train/config/schema.py:316-320)
 
 
 def pytest_generate_tests(metafunc):
     name = metafunc.function.__name__
     if name in ("test_user_draft_step0_matches_reference", "test_user_draft_multistep_matches_reference"):
+        inputs = metafunc.config.stash.get(INPUTS_KEY, None)   # the plan decides the dtypes (plan.py)
+        plan = plan_for(inputs.checkpoint.tensors) if inputs is not None else FULL
         metafunc.parametrize("impl,dtype_name", [pytest.param(impl, d, id=f"{impl}-{d}-user_draft")
-                                                 for impl in IMPLEMENTATIONS for d in DTYPES])
+                                                 for impl in IMPLEMENTATIONS for d in plan.dtypes])
     elif name == "test_user_draft_weight_accounting":
         metafunc.parametrize("impl", ["reference", *IMPLEMENTATIONS])
 
@@ -65,7 +66,7 @@ def test_user_draft_sglang_reads_the_directory(user_draft, report, verdict, requ
     """SGLang's own config reader on the directory as the user has it (never written to)."""
     report_once(user_draft, report, verdict)
     ckpt = user_draft.inputs.checkpoint
-    problem = directory_problem(ckpt.path, ckpt.format, ckpt.path.name)
+    problem = directory_problem(ckpt.path, ckpt.format, ckpt.path.name, user_draft.convert_args())
     if problem is not None:
         fail(problem, verdict, request.node.nodeid, f"{problem.what}: {problem.evidence}")
 
@@ -78,7 +79,7 @@ def test_user_draft_conversion_keeps_the_draft(user_draft, report, verdict, requ
     report_once(user_draft, report, verdict)
     inputs = user_draft.inputs
     served = user_draft.checkpoint(user_draft.case)["sglang"]
-    findings = conversion_findings(inputs.checkpoint.path, served, inputs.trainer, user_draft.accounts())
+    findings = conversion_findings(inputs.checkpoint.path, served, user_draft.eagle_ids, user_draft.accounts())
     problem = conversion_problem(findings, inputs.checkpoint.format)
     if problem is not None:
         fail(problem, verdict, request.node.nodeid, f"{problem.what}: {problem.where}")
@@ -90,7 +91,7 @@ def check_forward(store, report, verdict, impl: str, dtype_name: str, nodeid: st
     cfg = store.inputs.config
     known = registry.for_case(impl, case, steps)
     try:
-        comparison = compare_with_reference(store, impl, case, dtype_name, steps)
+        comparison = store.compare(impl, case, dtype_name, steps)
     except LoadFailed as exc:
         report.add_load_failure(impl, case.id, dtype_name, nodeid, FAIL, str(exc))
         fail(load_problem(impl, cfg, known, str(exc)), verdict, nodeid,
@@ -126,14 +127,3 @@ def test_user_draft_weight_accounting(impl, user_draft, report, verdict, request
         verdict.add(problem, request.node.nodeid)
     fail(problems[0], verdict, request.node.nodeid,
          f"{impl} weight accounting [{user_draft.case.id}]: " + "; ".join(acct.problems) + f"\n  repro: {repro}")
-
-
-def test_user_draft_files_are_untouched(user_draft, verdict, request):
-    """Runs after the checks above: every input file still has the bytes it had when validated."""
-    digests = user_draft.inputs.digests
-    changed = [p for p, digest in digests.items() if not Path(p).is_file() or sha256(Path(p)) != digest]
-    assert digests, "no input files were recorded"
-    if changed:
-        fail(Problem("the run changed input files", ", ".join(Path(p).name for p in changed), f"{len(changed)} changed",
-                     "this suite (it must only read them)", "report it", OTHER, key="untouched"),
-             verdict, request.node.nodeid, f"input files changed during the run: {changed}")

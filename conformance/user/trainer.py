@@ -4,8 +4,9 @@ A draft's aux-layer ids mean different layers to different trainers (eagle3-sema
 speculators and the original EAGLE-3 count "input of layer i" (0 = the embeddings), SpecForge and
 SGLang's `eagle_config` count "output of layer i". The checkpoint says who trained it when its format
 does (speculators' config.json, the original EAGLE-3 export, SpecForge's midlayer names); a flat
-SGLang-format draft does not, and `--trainer` states it. The ids here are always in the training
-convention (input of layer i), as reference.eagle3.Eagle3Config holds them.
+SGLang-format draft does not, and `--trainer` states it. A config.json rewritten for serving no longer
+holds the ids training used; `--trained-aux-layers embed,3,31` states those layers themselves. The ids
+here are always in the training convention (input of layer i), as reference.eagle3.Eagle3Config holds them.
 """
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from conformance.checkpoints.knobs import CONFIG_FILE
 
 TRAINERS = ("speculators", "specforge", "eagle3")
 CHOICES = ("auto", *TRAINERS)
+TRAINED_OPTION = "--trained-aux-layers"
+
+
+class OptionError(ValueError):
+    """A command-line option's value no check can use (one line; a usage error, exit code 4)."""
 
 # What each trainer's ids mean and its default list for an N-layer target, in the training convention.
 TRAINER_MEANING = {
@@ -45,6 +51,7 @@ class Trainer:
     stored_ids: tuple[int, ...] | None   # the ids as written in config.json
     stored_where: str                    # which key they were read from
     parsed_ids: tuple[int, ...] | None   # the ids as this suite's format reader converted them
+    stated_ids: tuple[int, ...] | None = None   # --trained-aux-layers: the layers training read, as stated
 
     @property
     def meaning(self) -> str:
@@ -53,6 +60,8 @@ class Trainer:
     def training_ids(self, num_layers: int | None = None) -> tuple[int, ...] | None:
         """The target layers training read (input of layer i); None when that needs the target's
         layer count and it is not known."""
+        if self.stated_ids is not None:
+            return self.stated_ids
         if self.name == "eagle3":
             return default_ids(num_layers) if num_layers else None
         if self.stored_ids is None:
@@ -67,9 +76,43 @@ class Trainer:
         who = self.name or "not stated"
         ids = self.training_ids(num_layers)
         where = f"{self.stored_where} {list(self.stored_ids)}" if self.stored_ids is not None else "no ids stored"
+        if self.stated_ids is not None:
+            return (f"{self.name or 'not named'} ({self.source}); {where}, not read: training captured "
+                    f"{layer_names(self.stated_ids)} (inputs of layers {list(self.stated_ids)}), stated by "
+                    f"{TRAINED_OPTION}")
         trained = f"trained on inputs of layers {list(ids)}" if ids is not None else \
             "trained on the trainer's default layers of the target (needs --target-config)"
         return f"{who} ({self.source}); {where}, read as {self.meaning}: {trained}"
+
+
+def layer_names(ids) -> str:
+    return "[" + ", ".join("embed" if i == 0 else str(i) for i in ids) + "]"
+
+
+def parse_trained_layers(text: str, num_aux: int, config_file: str, num_layers: int | None = None,
+                         target_file: str = "") -> tuple[int, ...]:
+    """--trained-aux-layers `embed,3,31`: the target layers training captured, one per aux slot, as
+    boundaries (input of layer i; embed = 0, the embeddings). OptionError (one line) on anything else."""
+    where = f"{TRAINED_OPTION} {text!r}"
+    parts = [p.strip() for p in text.split(",")]
+    ids = []
+    for part in parts:
+        if part == "embed":
+            ids.append(0)
+        elif part.isdigit():
+            ids.append(int(part))
+        else:
+            raise OptionError(f"{where}: {part!r} is not a layer (expected comma-separated layers: embed or an "
+                             "integer i >= 0, the input of layer i, e.g. embed,3,31)")
+    if len(ids) != num_aux:
+        raise OptionError(f"{where}: {len(ids)} layers, but the draft's fc reads {num_aux} aux states "
+                         f"({config_file}: num_aux_hidden_states)")
+    if len(set(ids)) != len(ids):
+        raise OptionError(f"{where}: a layer is named twice")
+    if num_layers is not None and max(ids) > num_layers:
+        raise OptionError(f"{where}: layer {max(ids)} is beyond the target's {num_layers} layers "
+                         f"({target_file}: num_hidden_layers; the last boundary is {num_layers})")
+    return tuple(ids)
 
 
 def _stored_ids(raw: dict) -> tuple[tuple[int, ...] | None, str]:
@@ -81,8 +124,10 @@ def _stored_ids(raw: dict) -> tuple[tuple[int, ...] | None, str]:
     return None, ""
 
 
-def resolve_trainer(ckpt: DraftCheckpoint, option: str | None = "auto") -> Trainer:
-    """--trainer when given, else what the checkpoint's format says (or nothing, for SGLang's format)."""
+def resolve_trainer(ckpt: DraftCheckpoint, option: str | None = "auto",
+                    stated: tuple[int, ...] | None = None) -> Trainer:
+    """--trainer when given, else what the checkpoint's format says (or nothing, for SGLang's format);
+    `stated`: the layers --trained-aux-layers names, which replace whatever the ids say."""
     raw = load_json(ckpt.path / CONFIG_FILE)
     if ckpt.format == "speculators":   # speculators keeps its ids at the top level only
         ids = raw.get("eagle_aux_hidden_state_layer_ids")
@@ -95,6 +140,8 @@ def resolve_trainer(ckpt: DraftCheckpoint, option: str | None = "auto") -> Train
     elif ckpt.format in FORMAT_TRAINER:
         name = FORMAT_TRAINER[ckpt.format]
         source = f"detected: {TRAINER_DETECTED_FROM[name]}"
+    elif stated is not None:
+        name, source = None, f"{ckpt.format} format does not say"
     else:
         name, source = None, f"{ckpt.format} format does not say; state it with --trainer"
-    return Trainer(name, source, stored, where, tuple(parsed) if parsed else None)
+    return Trainer(name, source, stored, where, tuple(parsed) if parsed else None, stated)

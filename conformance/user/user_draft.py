@@ -22,10 +22,10 @@ from conformance.checkpoints.knobs import CONFIG_FILE
 from conformance.checkpoints.schema import expected_tensors, needed_by, undeclared_tensors
 from conformance.checkpoints.targets import read_target_config
 from conformance.checkpoints.training_data import Sample, first_samples, load_samples
-from conformance.checkpoints.weights import INDEX_FILE, read_tensor, sha256
+from conformance.checkpoints.weights import INDEX_FILE, read_tensor
 from conformance.core.tolerances import dtype_name
 from conformance.user.example_draft import EXAMPLE_CONFIG
-from conformance.user.trainer import Trainer, resolve_trainer
+from conformance.user.trainer import TRAINED_OPTION, OptionError, Trainer, parse_trained_layers, resolve_trainer
 from fixtures.cases import DraftCase
 from reference.eagle3 import Eagle3Config
 
@@ -43,6 +43,8 @@ class UserInputs:
     data_file: Path | None = None
     hidden_states: Path | None = None
     target: dict | None = None
+    target_file: Path | None = None                   # --target-config, for the checks that read it themselves
+    sglang_args: str | None = None                    # --sglang-args, parsed by SGLang's own parser
     trainer: Trainer | None = None
     notes: list[str] = field(default_factory=list)
     digests: dict[str, str] = field(default_factory=dict)   # every input file -> sha256, to prove it untouched
@@ -103,6 +105,14 @@ def validate_checkpoint(path: Path) -> tuple[DraftCheckpoint, list[str]]:
     return ckpt, notes
 
 
+def digest(path: Path) -> str:
+    """sha256 of a file, read in chunks (a real-size draft is gigabytes)."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def input_files(*paths: Path | None) -> list[Path]:
     out = []
     for p in paths:
@@ -114,12 +124,22 @@ def input_files(*paths: Path | None) -> list[Path]:
 
 
 def validate_inputs(checkpoint: Path, data: Path | None = None, hidden_states: Path | None = None,
-                    target: Path | None = None, source: str | None = None, trainer: str = "auto") -> UserInputs:
-    """Every user input, validated; the first problem raises a one-line CheckpointError."""
+                    target: Path | None = None, source: str | None = None, trainer: str = "auto",
+                    trained_layers: str | None = None, sglang_args: str | None = None) -> UserInputs:
+    """Every user input, validated; the first problem raises a one-line CheckpointError (OptionError for
+    an option's value)."""
     ckpt, notes = validate_checkpoint(Path(checkpoint))
     cfg = ckpt.config
+    target_cfg = read_target_config(Path(target)) if target is not None else None
+    if target_cfg is not None and not target_cfg["architectures"]:
+        raise CheckpointError(target, "field architectures", "missing or empty: SGLang picks the target's class by it")
+    stated = None if trained_layers is None else parse_trained_layers(
+        trained_layers, cfg.num_aux_hidden_states, str(ckpt.path / CONFIG_FILE),
+        target_cfg["num_hidden_layers"] if target_cfg else None, str(target))
+    if sglang_args is not None:
+        check_command_line(sglang_args)
     inputs = UserInputs(ckpt, cfg, source or f"--draft-checkpoint {Path(checkpoint).name} ({ckpt.format} format)",
-                        trainer=resolve_trainer(ckpt, trainer), notes=notes)
+                        trainer=resolve_trainer(ckpt, trainer, stated), notes=notes, sglang_args=sglang_args)
     if data is not None:
         inputs.data_file = Path(data)
         inputs.samples = load_samples(Path(data), cfg.vocab_size)
@@ -130,14 +150,37 @@ def validate_inputs(checkpoint: Path, data: Path | None = None, hidden_states: P
         inputs.hidden_states = Path(hidden_states)
         read_dump(Path(hidden_states), inputs.samples[:len(first_samples(inputs.samples))], cfg)
     if target is not None:
-        inputs.target = read_target_config(Path(target))
+        inputs.target, inputs.target_file = target_cfg, Path(target)
     # The files this run reads (not whatever else lives in the user's directories).
     read = [ckpt.path / CONFIG_FILE, *dict.fromkeys(i.file for i in ckpt.tensors.values())]
     read += [ckpt.path / INDEX_FILE] if (ckpt.path / INDEX_FILE).is_file() else []
     if inputs.hidden_states is not None:
         read += [inputs.hidden_states / f"hs_{i}.safetensors" for i in range(len(first_samples(inputs.samples)))]
-    inputs.digests = {str(p): sha256(p) for p in read + input_files(data, target)}
+    inputs.digests = {str(p): digest(p) for p in read + input_files(data, target)}
     return inputs
+
+
+def check_command_line(line: str) -> None:
+    """--sglang-args through SGLang's own parser (no files needed): what it cannot parse is bad input.
+    What SGLang's resolution then refuses for this draft and target is a finding of the settings check."""
+    import argparse
+    import shlex
+
+    from sglang.srt.server_args import ServerArgs
+
+    from conformance.adapters.sglang.settings import HOST_ARGS
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):   # argparse would print its usage and exit 2
+            raise OptionError(f"--sglang-args {line!r}: {message}")
+
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise OptionError(f"--sglang-args {line!r}: {exc}") from None
+    parser = Parser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    parser.parse_args(["--model-path", "target", *HOST_ARGS, *argv])
 
 
 # ---------------------------------------------------------------- the user's case
@@ -158,17 +201,19 @@ def configure_user_inputs(config) -> None:
     """Validate --draft-checkpoint, --training-data, --hidden-states, --target-config; stash the result."""
     ckpt, data = config.getoption("--draft-checkpoint"), config.getoption("--training-data")
     hidden, target = config.getoption("--hidden-states"), config.getoption("--target-config")
-    if (data or hidden) and not ckpt:
-        raise pytest.UsageError(f"{'--training-data' if data else '--hidden-states'} needs --draft-checkpoint "
-                                "(the samples are inputs of that draft)")
+    trained = config.getoption(TRAINED_OPTION)
+    if (data or hidden or trained) and not ckpt:
+        option = "--training-data" if data else "--hidden-states" if hidden else TRAINED_OPTION
+        raise pytest.UsageError(f"{option} needs --draft-checkpoint (it describes that draft's inputs)")
     try:
         if target:
             config.stash[TARGET_KEY] = read_target_config(Path(target))
         if ckpt:
             inputs = validate_inputs(Path(ckpt), Path(data) if data else None, Path(hidden) if hidden else None,
-                                     Path(target) if target else None, trainer=config.getoption("--trainer") or "auto")
+                                     Path(target) if target else None, trainer=config.getoption("--trainer") or "auto",
+                                     trained_layers=trained, sglang_args=config.getoption("--sglang-args"))
             config.stash[INPUTS_KEY] = inputs
-    except CheckpointError as exc:
+    except (CheckpointError, OptionError) as exc:
         raise pytest.UsageError(str(exc)) from None
 
 

@@ -1,0 +1,54 @@
+"""The serving side of the user's verdict: the target's aux wiring and the server flags, on the draft as
+SGLang reads it (the directory as written, or this suite's conversion), each computed once per run.
+
+The checks themselves are conformance/wiring/user_wiring.py (a tiny twin of --target-config) and
+conformance/settings/user_settings.py (--sglang-args through SGLang's own ServerArgs); this module
+only hands them the user's files.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conformance.checkpoints.knobs import CONFIG_FILE
+from reference.eagle3 import Eagle3Config
+
+STAND_IN = ("no --target-config: --sglang-args resolved against a stand-in Llama target of the draft's widths, "
+            "vocabulary and context (SGLang picks auto settings and the context by the target)")
+
+
+def served_dir(store) -> Path:
+    return store.checkpoint(store.case)["sglang"]
+
+
+def user_wiring(store):
+    """check_user_wiring on --target-config's twin: the layers SGLang captures for this draft vs training's."""
+    from conformance.wiring.user_wiring import check_user_wiring
+
+    inputs = store.inputs
+    return store.serving("wiring", lambda: check_user_wiring(served_dir(store), inputs.target_file, inputs.trainer,
+                                                             store.root / "twins"))
+
+
+def user_settings(store):
+    """check_user_settings with --sglang-args; raises CommandLineError when SGLang refuses the flags."""
+    from conformance.settings.user_settings import check_user_settings
+
+    inputs = store.inputs
+    target = inputs.target_file or stand_in_target(inputs.config, store.root / "stand-in-target")
+    return store.serving("settings", lambda: check_user_settings(inputs.sglang_args, served_dir(store), target,
+                                                                 inputs.checkpoint, store.root / "settings"))
+
+
+def stand_in_target(cfg: Eagle3Config, root: Path) -> Path:
+    """A Llama target config as wide as the draft's target side, with its vocabulary and context, for
+    ServerArgs when the user gave no target config."""
+    heads = cfg.num_attention_heads if cfg.target_hidden_size % cfg.num_attention_heads == 0 else 1
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.target_hidden_size,
+              "intermediate_size": 4 * cfg.target_hidden_size, "num_hidden_layers": 32,
+              "num_attention_heads": heads, "num_key_value_heads": heads, "vocab_size": cfg.vocab_size,
+              "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+              "rope_theta": cfg.rope_theta, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return root / CONFIG_FILE

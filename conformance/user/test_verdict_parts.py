@@ -1,0 +1,82 @@
+"""The verdict's parts that a planted draft run end to end does not isolate, in process: the conversion's
+aux ids on the target's own class, and the reduced plan a large draft gets (conformance/user/plan.py),
+exercised on tiny drafts with the size threshold lowered.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.checkpoints.directory import open_checkpoint, write_draft
+from conformance.user import plan
+from conformance.user.example_draft import EXAMPLE, write_example
+from conformance.user.plan import STEPS
+from conformance.user.store import UserDraftStore
+from conformance.user.trainer import resolve_trainer
+from conformance.user.user_draft import validate_inputs
+from fixtures.real_configs import REAL_CONFIGS
+from fixtures.tiny import make_config, make_draft_weights
+
+pytestmark = [pytest.mark.cpu, pytest.mark.meta]
+KIMI = REAL_CONFIGS / "target" / "moonshotai--Kimi-K2.5.json"            # DeepSeek class: ids as written
+LLAMA = REAL_CONFIGS / "target" / "meta-llama--Meta-Llama-3.1-8B.json"   # Llama class: id + 1
+
+
+def test_the_conversion_writes_ids_the_targets_class_captures(tmp_path):
+    """A speculators draft trained on [embed, 3, 31]: converted without a target, its ids are the Llama
+    convention, which Llama captures as trained and Kimi-K2.5 does not; converted for Kimi-K2.5 they are
+    the ids its class captures as trained (both judged by SGLang's own capture on the targets' twins)."""
+    from conformance.user.convert import main as convert
+    from conformance.wiring.user_wiring import check_user_wiring
+
+    cfg = make_config(**EXAMPLE, aux_layer_ids=(0, 3, 31))
+    draft = write_draft(cfg, make_draft_weights(cfg, torch.Generator().manual_seed(0)), tmp_path / "draft",
+                        "speculators")
+    trainer = resolve_trainer(open_checkpoint(draft))
+    assert convert([str(draft), str(tmp_path / "plain")]) == 0
+    assert convert([str(draft), str(tmp_path / "kimi"), "--target-config", str(KIMI)]) == 0
+    twins = tmp_path / "twins"
+    assert check_user_wiring(tmp_path / "plain", LLAMA, trainer, twins).ok
+    plain_on_kimi = check_user_wiring(tmp_path / "plain", KIMI, trainer, twins)
+    assert [p.key for p in plain_on_kimi.problems] == ["wiring:aux-layers"], plain_on_kimi.lines()
+    fitted = check_user_wiring(tmp_path / "kimi", KIMI, trainer, twins)
+    assert fitted.ok and fitted.serving == ("embed", "3", "31"), fitted.lines()
+
+
+@pytest.fixture
+def reduced(monkeypatch):
+    """Every draft is 'large': the reduced plan on tiny drafts."""
+    monkeypatch.setattr(plan, "LARGE_PARAMS", 0)
+
+
+def store_for(root, fmt: str, plant: str | None = None) -> UserDraftStore:
+    draft, _, _ = write_example(root / "in", fmt, plant=plant)
+    return UserDraftStore(root / "store", validate_inputs(draft))
+
+
+def test_step0_of_the_steps_run_is_the_one_step_run(tmp_path):
+    """What step0_from_steps rests on: each implementation's step 0 is the same computation whether or not
+    more steps follow (full plan: both runs are real)."""
+    store = store_for(tmp_path, "sglang")
+    assert not store.plan.step0_from_steps
+    for impl in ("reference", "speculators", "sglang"):
+        one = store.trace(impl, store.case, torch.bfloat16, 1)
+        first = store.trace(impl, store.case, torch.bfloat16, STEPS).steps[0]
+        differs = [k for k, v in one.steps[0].items() if k in first and not torch.equal(v, first[k])]
+        assert not differs and one.steps[0].keys() <= first.keys(), f"{impl}: step 0 differs at {differs}"
+
+
+def test_the_reduced_plan_keeps_a_clean_draft_clean(reduced, tmp_path):
+    store = store_for(tmp_path, "sglang")
+    assert store.plan.dtypes == ("bf16",) and store.plan.precise == torch.float32 and store.plan.reduced
+    for impl in ("speculators", "sglang"):
+        for steps in (1, STEPS):
+            first = store.compare(impl, store.case, "bf16", steps).first_divergence
+            assert first is None, f"{impl}, {steps} step(s): {first}"
+
+
+def test_the_reduced_plan_still_finds_a_planted_divergence(reduced, tmp_path):
+    """norm_before_residual, which SGLang serves with the raw residual: found where the full plan finds it."""
+    store = store_for(tmp_path, "sglang", plant="norm_before_residual")
+    first = store.compare("sglang", store.case, "bf16", 1).first_divergence
+    assert first is not None and (first.step, first.stage) == (0, "layers.0.residual"), first
