@@ -161,8 +161,8 @@ BAD = [
 def example(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("example")
     write_example(root, "sglang")
-    (root / "target.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 40, "num_hidden_layers": 8,
-                                                  "vocab_size": 97}))
+    (root / "target.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                  "hidden_size": 40, "num_hidden_layers": 8, "vocab_size": 97}))
     return root
 
 

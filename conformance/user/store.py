@@ -127,7 +127,7 @@ class UserDraftStore(DraftStore):
         try:
             return super().trace(impl, self.case, dtype, steps, teacher_forced)
         finally:
-            if fresh and impl == "sglang":
+            if fresh and ADAPTERS[impl].serving_decode:   # a serving engine's model: free it before the next
                 gc.collect()
 
     def compare(self, impl: str, case: DraftCase, dtype_name: str, steps: int = 1) -> Comparison:

@@ -114,11 +114,23 @@ def _sglang_warnings(out: list[str]):
             out.append(record.getMessage())
 
     handler, logger = Collect(level=logging.WARNING), logging.getLogger("sglang")
+    # Whatever configured logging earlier in the process (SGLang's Engine, uvicorn's dictConfig) may have
+    # disabled SGLang's module loggers or raised their level; the words are wanted regardless of that.
+    modules = [lg for name, lg in logging.root.manager.loggerDict.items()
+               if isinstance(lg, logging.Logger) and (name == "sglang" or name.startswith("sglang."))]
+    saved = [(lg, lg.disabled, lg.level, lg.propagate) for lg in modules]
+    for lg in modules:
+        lg.disabled, lg.propagate = False, True
+        if lg.level > logging.WARNING:
+            lg.setLevel(logging.WARNING)
     logger.addHandler(handler)
     try:
         yield
     finally:
         logger.removeHandler(handler)
+        for lg, disabled, level, propagate in saved:
+            lg.disabled, lg.propagate = disabled, propagate
+            lg.setLevel(level)
 
 
 @contextlib.contextmanager
