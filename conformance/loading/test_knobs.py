@@ -14,6 +14,7 @@ from conformance.adapters import ADAPTERS
 from conformance.adapters.sglang import weights
 from conformance.loading.accounting import account, checkpoint_tensors, knob_rows
 from fixtures.cases import CASES_BY_ID
+from conformance.meta.plants import honouring_norm_before_residual
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 IMPLS = tuple(ADAPTERS)
@@ -41,18 +42,6 @@ def test_observed_knob_rows_disagree_where_the_builds_differ(case_id, knob, valu
     rows = {r["knob"]: r for r in knob_rows(case_id, _accounts(drafts, case_id), only_disagreements=True)}
     assert knob in rows, f"[{case_id}] no disagreement on {knob!r}: {sorted(rows)}"
     assert {impl: rows[knob][impl] for impl in IMPLS} == values, rows[knob]
-
-
-def honouring_norm_before_residual(self, positions, embeds, hidden_states, forward_batch, residual):
-    """SGLang's input-layer forward (llama_eagle3.py:96-116), except that attention is added to the
-    normed hidden, as speculators does for the knob (model_definitions.py:80-81)."""
-    hidden_states = self.hidden_norm(hidden_states)
-    residual = hidden_states   # the plant; SGLang keeps the raw hidden here
-    embeds = self.input_layernorm(embeds)
-    hidden_states = torch.cat([embeds, hidden_states], dim=-1)
-    hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states, forward_batch=forward_batch)
-    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-    return self.mlp(hidden_states), residual
 
 
 def test_sglang_residual_knob_follows_its_layer(drafts):

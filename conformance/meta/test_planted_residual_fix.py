@@ -18,22 +18,12 @@ from conformance.core.compare import compare_traces
 from conformance.core.matching import deciding, match_forward
 from conformance.core.registry import for_case
 from conformance.core.tolerances import AGAINST, DTYPES
+from conformance.meta.plants import honouring_norm_before_residual
 from fixtures.cases import CASES_BY_ID
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 CASE = CASES_BY_ID["norm_before_residual"]
 STEPS = 2   # the EXTEND and one DECODE pass
-
-
-def honouring_norm_before_residual(self, positions, embeds, hidden_states, forward_batch, residual):
-    """SGLang's input-layer forward, except that attention is added to the normed hidden."""
-    hidden_states = self.hidden_norm(hidden_states)
-    residual = hidden_states   # the plant; SGLang keeps the raw hidden here
-    embeds = self.input_layernorm(embeds)
-    hidden_states = torch.cat([embeds, hidden_states], dim=-1)
-    hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states, forward_batch=forward_batch)
-    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-    return self.mlp(hidden_states), residual
 
 
 def compare(drafts, dtype_name: str, patched: bool):
