@@ -8,6 +8,8 @@ steps, at a context the draft covers, comes back clean; the seed's flags show th
 from __future__ import annotations
 
 import json
+import logging
+import logging.config
 import os
 import re
 from pathlib import Path
@@ -130,3 +132,24 @@ def test_bad_command_line_is_one_line(command_line, tmp_path):
     with pytest.raises(CommandLineError) as caught:
         settings(tmp_path, command_line)
     assert str(caught.value).startswith("--sglang-args:") and "\n" not in str(caught.value), str(caught.value)
+
+
+@pytest.mark.cpu
+def test_sglang_words_are_seen_whatever_configured_logging_before(tmp_path):
+    """In a whole run, SGLang's Engine and uvicorn configure logging before this check: disabled or
+    silenced loggers must not hide SGLang's own warning from the evidence (it did, in CI)."""
+    import sglang.srt.arg_groups.speculative_hook  # noqa: F401  the module logger exists before the reconfiguration
+
+    sglang_loggers = {name: lg for name, lg in logging.root.manager.loggerDict.items()
+                      if isinstance(lg, logging.Logger) and name.startswith("sglang")}
+    saved = {name: (lg.disabled, lg.level, lg.propagate) for name, lg in sglang_loggers.items()}
+    try:
+        logging.config.dictConfig({"version": 1, "disable_existing_loggers": True})
+        logging.getLogger("sglang").setLevel(logging.CRITICAL)
+        problem = {p.key: p for p in settings(tmp_path, SEED_ARGS).problems}["settings:speculative_num_draft_tokens"]
+    finally:
+        for name, (disabled, level, propagate) in saved.items():
+            lg = sglang_loggers[name]
+            lg.disabled, lg.propagate = disabled, propagate
+            lg.setLevel(level)
+    assert "speculative_num_draft_tokens is adjusted" in problem.evidence, problem.evidence

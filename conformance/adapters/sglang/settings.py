@@ -108,29 +108,29 @@ class _Parser(argparse.ArgumentParser):
 
 @contextlib.contextmanager
 def _sglang_warnings(out: list[str]):
-    """Collect what SGLang logs while resolving (its own words for each adjustment)."""
-    class Collect(logging.Handler):
-        def emit(self, record):
-            out.append(record.getMessage())
+    """Collect what SGLang warns while resolving (its own words for each adjustment).
 
-    handler, logger = Collect(level=logging.WARNING), logging.getLogger("sglang")
-    # Whatever configured logging earlier in the process (SGLang's Engine, uvicorn's dictConfig) may have
-    # disabled SGLang's module loggers or raised their level; the words are wanted regardless of that.
-    modules = [lg for name, lg in logging.root.manager.loggerDict.items()
+    The calls are recorded on SGLang's module loggers themselves, not through handlers: whatever configured
+    logging earlier in the process (SGLang's Engine, uvicorn's dictConfig, levels, disabled loggers) must
+    not decide whether the words are seen."""
+    import sglang.srt.arg_groups.speculative_hook  # noqa: F401  its logger speaks while resolving: exists from here on
+
+    loggers = [lg for name, lg in list(logging.root.manager.loggerDict.items())
                if isinstance(lg, logging.Logger) and (name == "sglang" or name.startswith("sglang."))]
-    saved = [(lg, lg.disabled, lg.level, lg.propagate) for lg in modules]
-    for lg in modules:
-        lg.disabled, lg.propagate = False, True
-        if lg.level > logging.WARNING:
-            lg.setLevel(logging.WARNING)
-    logger.addHandler(handler)
+
+    def recording(original):
+        def warning(msg, *args, **kwargs):
+            out.append(str(msg) % args if args else str(msg))
+            return original(msg, *args, **kwargs)
+        return warning
+
+    for lg in loggers:
+        lg.warning = recording(lg.warning)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        for lg, disabled, level, propagate in saved:
-            lg.disabled, lg.propagate = disabled, propagate
-            lg.setLevel(level)
+        for lg in loggers:
+            del lg.warning   # back to the class's method
 
 
 @contextlib.contextmanager
