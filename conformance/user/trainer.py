@@ -37,6 +37,10 @@ TRAINER_DETECTED_FROM = {
     "specforge": "tensor names midlayer.* without SGLang's legacy use_aux_norm (SpecForge's export)",
 }
 FORMAT_TRAINER = {"speculators": "speculators", "eagle": "eagle3", "specforge": "specforge"}
+# How far each trainer's stored ids sit from "input of layer i", wherever in config.json they were written
+# (speculators: input of layer i; SpecForge: output of layer i = input of layer i + 1). The original EAGLE-3
+# ignores stored ids (hard-coded defaults); an unnamed trainer's ids are read as this suite's parser read them.
+TRAINER_ID_SHIFT = {"speculators": 0, "specforge": 1}
 
 
 def default_ids(num_layers: int) -> tuple[int, ...]:
@@ -62,14 +66,10 @@ class Trainer:
         layer count and it is not known."""
         if self.stated_ids is not None:
             return self.stated_ids
-        if self.name == "eagle3":
+        if self.stored_ids is None or (self.name in TRAINERS and self.name not in TRAINER_ID_SHIFT):
             return default_ids(num_layers) if num_layers else None
-        if self.stored_ids is None:
-            return default_ids(num_layers) if num_layers else None
-        if self.name == "speculators":     # its ids are input-of-layer wherever they were written
-            return self.stored_ids
-        if self.name == "specforge":       # its ids are output-of-layer wherever they were written
-            return tuple(i + 1 for i in self.stored_ids)
+        if self.name in TRAINER_ID_SHIFT:
+            return tuple(i + TRAINER_ID_SHIFT[self.name] for i in self.stored_ids)
         return self.parsed_ids
 
     def describe(self, num_layers: int | None = None) -> str:
