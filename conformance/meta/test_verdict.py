@@ -100,15 +100,19 @@ def runs(tmp_path_factory) -> dict[str, Future]:
     root = tmp_path_factory.mktemp("verdict")
     pool = ThreadPoolExecutor(WORKERS)
 
-    def run(case: Plant):
-        draft, _, _ = write_example(root / case.id, case.fmt, plant=case.plant)
-        if case.eagle_ids is not None:
-            write_eagle_ids(draft, case.eagle_ids)
+    def run(case: Plant, draft: Path):
         start = time.perf_counter()
         result = run_pytest(f"--draft-checkpoint={draft}", *case.args)
         return result, time.perf_counter() - start
 
-    futures = {case.id: pool.submit(run, case) for case in CASES}
+    # The drafts are written here, one after the other: only the subprocesses run in threads (a first import
+    # of a transformers class from two threads at once can fail inside its lazy module).
+    drafts = {}
+    for case in CASES:
+        drafts[case.id], _, _ = write_example(root / case.id, case.fmt, plant=case.plant)
+        if case.eagle_ids is not None:
+            write_eagle_ids(drafts[case.id], case.eagle_ids)
+    futures = {case.id: pool.submit(run, case, drafts[case.id]) for case in CASES}
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
 
