@@ -17,9 +17,15 @@ $(VENV)/.installed: requirements.lock
 
 venv: $(VENV)/.installed
 
+# The lanes run their test files on $(WORKERS) processes (pytest-xdist; conformance/core/parallel.py): one
+# file's models are built in one process, the engine lane's files stay together, the report is merged into
+# one, identical to a single process's. WORKERS=0 runs in this process only.
+WORKERS ?= 2
+PARALLEL = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
+
 # The main job: the CPU conformance lane on tiny models generated on the fly, with its report.
 conformance: venv
-	$(PYTEST) -m "cpu and not meta" --report $(REPORT)
+	$(PYTEST) $(PARALLEL) -m "cpu and not meta" --report $(REPORT)
 
 # Your draft, one verdict (README "Bring your own draft"): only the checks on your files, the verdict at the
 # end and at the top of $(REPORT)/report.md. pytest exits 0 served as trained, 1 not, 4 bad input (make
@@ -40,7 +46,7 @@ lint: venv
 
 # The linter, the harness self-tests, the CPU conformance lane and the engine lane (SGLang's real Engine).
 test: venv lint
-	$(PYTEST) -m "cpu or engine"
+	$(PYTEST) $(PARALLEL) -m "cpu or engine"
 
 # Draft throughput (conformance/throughput/test_throughput.py). Figures are stored and compared per machine
 # class under $(BENCH_BASELINES)/<class>/ (`python -m conformance.throughput.throughput` prints this host's), in
@@ -77,3 +83,65 @@ support-matrix: venv
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The version matrix (README "Releases under test"): the CPU conformance lane on every release of sglang and
+# speculators under test (the adapters' `releases`), each but the pinned one installed with --no-deps into
+# .venv-releases/<package>-<version> over this environment; reports in $(REPORT)/versions/<package>-<version>/.
+# One release: make version-lane RELEASE=sglang==0.5.22 (what CI runs per matrix entry).
+.PHONY: version-matrix version-lane
+version-matrix: venv
+	$(PY) -m conformance.versions matrix --reports $(REPORT)/versions
+
+version-lane: $(if $(RELEASE),venv)
+	@test -n "$(RELEASE)" || { echo "usage: make version-lane RELEASE=sglang==0.5.22 (list: $(PY) -m conformance.versions list)" >&2; exit 4; }
+	$(PY) -m conformance.versions lane "$(RELEASE)" --reports $(REPORT)/versions
+
+# The suite installed into a user's own serving environment (README "Install into your serving environment"),
+# as a user would: a fresh $(USER_ENV) holding torch, sglang $(USER_SGLANG) and speculators $(USER_SPECULATORS)
+# with their own runtime dependencies (the lock's lines for them, --no-deps: their declared dependencies are
+# CUDA-only; plus the release's own lock when it has one), then the README's two install commands, then the
+# entry point on a tiny draft that the installed package writes, run outside this repository. Passes when the
+# verdict is "served as trained" and names sglang $(USER_SGLANG). Prints the time and size of each part.
+USER_ENV ?= .venv-user
+USER_SGLANG ?= 0.5.22
+USER_SPECULATORS ?= 0.9.0
+USER_PIP = $(USER_ENV)/bin/python -m pip install --quiet --disable-pip-version-check
+.PHONY: user-env-check
+user-env-check:
+	@set -e; t0=$$(date +%s); rm -rf $(USER_ENV); $(PYTHON) -m venv $(USER_ENV); \
+	echo "serving environment: torch, sglang==$(USER_SGLANG), speculators==$(USER_SPECULATORS) and their dependencies"; \
+	$(USER_PIP) torch==$$(sed -n 's/^torch==//p' requirements.lock); \
+	$(USER_PIP) --no-deps sglang==$(USER_SGLANG) speculators==$(USER_SPECULATORS); \
+	grep -vxFf requirements-suite.txt requirements.lock | grep -vE '^(torch|sglang|speculators|ruff)==' \
+		> $(USER_ENV)/serving-dependencies.txt; \
+	$(USER_PIP) --no-deps -r $(USER_ENV)/serving-dependencies.txt $(addprefix -r ,$(wildcard requirements-sglang-$(USER_SGLANG).lock)); \
+	t1=$$(date +%s); s1=$$(du -sm $(USER_ENV) | cut -f1); \
+	echo "the suite: pip install --no-deps -r requirements-suite.txt; pip install --no-deps ."; \
+	$(USER_PIP) --no-deps -r requirements-suite.txt; $(USER_PIP) --no-deps .; \
+	t2=$$(date +%s); s2=$$(du -sm $(USER_ENV) | cut -f1); \
+	rm -rf $(USER_ENV)/work; mkdir $(USER_ENV)/work; cd $(USER_ENV)/work; \
+	../bin/python -c "import conformance; assert 'site-packages' in conformance.__file__, conformance.__file__"; \
+	../bin/python -m conformance.user.example_draft example; \
+	../bin/eagle3-conformance check example/draft --data example/train.jsonl --hidden example/hidden_states \
+		--report report; \
+	grep -q "^VERDICT: served as trained" report/report.md; \
+	grep -q "versions: .*sglang $(USER_SGLANG)" report/report.md; \
+	t3=$$(date +%s); \
+	echo "user-env-check passed: the verdict names sglang $(USER_SGLANG) ($(USER_ENV)/work/report/report.md)"; \
+	echo "serving environment $$((t1 - t0)) s, $$s1 MB; the suite's install $$((t2 - t1)) s, +$$((s2 - s1)) MB; the check $$((t3 - t2)) s"
+
+# The vLLM lane (README "vLLM lane"): vLLM 0.33.0 in its own environment, which pins another torch than
+# $(VENV), built on demand from requirements-vllm.lock with --no-deps (exactly those versions, nothing
+# resolved); its draft runs in one worker process per session (conformance/adapters/vllm). Only the tests
+# marked `vllm`, never part of `make test`; the report goes to $(REPORT)/vllm/.
+VLLM_VENV ?= .venv-vllm
+.PHONY: venv-vllm vllm
+$(VLLM_VENV)/.installed: requirements-vllm.lock
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-vllm.lock
+	touch $@
+
+venv-vllm: $(VLLM_VENV)/.installed
+
+vllm: venv venv-vllm
+	VLLM_VENV=$(VLLM_VENV) $(PYTEST) -m vllm --report $(REPORT)/vllm

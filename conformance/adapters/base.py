@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Protocol
 
 import torch
+from packaging.version import Version
 
 from reference.eagle3 import DraftBatch, Eagle3Config
 
@@ -50,6 +51,11 @@ class Trace:
         return replace(self, steps=[cpu(s) for s in self.steps], rows=[cpu(r) for r in self.rows])
 
 
+class Unsupported(ValueError):
+    """Raised by a draft's run() when the batch asks for what the implementation cannot express (e.g.
+    positions not from 0 in a trainer that numbers every row from 0); the harness skips with its message."""
+
+
 def batch_on(batch: DraftBatch, device: str | torch.device) -> DraftBatch:
     """The batch with its tensors on `device` (the same object when it is the CPU)."""
     if torch.device(device).type == "cpu":
@@ -67,6 +73,20 @@ def installed_version(package: str | None) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def lane_of(adapter) -> str:
+    """The pytest lane an adapter's tests run in (DraftAdapter.lane; adapters that do not say: "cpu")."""
+    return getattr(adapter, "lane", "cpu")
+
+
+def supported_range(adapter) -> str:
+    """The PEP 440 range of the releases `adapter` is tested against, e.g. ">=0.5.20,<=0.5.23" ("" when it
+    has none: the reference). The releases in between that are not listed are not claimed either way."""
+    releases = sorted(adapter.releases, key=Version)
+    if not releases:
+        return ""
+    return f"=={releases[0]}" if len(releases) == 1 else f">={releases[0]},<={releases[-1]}"
 
 
 # ---------------------------------------------------------------- what the areas drive
@@ -135,6 +155,10 @@ class DraftAdapter(Protocol):
                                               # (None: a whole chunk at once)
     serving_decode: ClassVar[bool]            # steps >= 1 query each request's last token only (a serving
                                               # DECODE over the cached keys), not every packed row (a TTT step)
+    releases: ClassVar[tuple[str, ...]]       # the releases of `package` the suite is tested against, oldest
+                                              # first (the version matrix, README "Releases under test")
+    lane: ClassVar[str] = "cpu"               # the pytest lane (marker) its tests run in: "cpu", the default lane,
+                                              # or a lane of its own (e.g. "vllm": its own environment); lane_of()
 
     @classmethod
     def version(cls) -> str | None:

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
+import pytest
+
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import Trace
+from conformance.adapters.base import Trace, Unsupported
 from conformance.core.compare import Comparison, compare_traces
 from conformance.core.common import first_line
 from conformance.core.matching import KnownDivergenceHit  # noqa: F401  (tests import it from here)
@@ -67,10 +69,15 @@ class DraftStore:
                 error = type(exc).__name__
                 self._traces[key] = LoadFailed(f"{impl} could not load {where}: {error}: {line}", error, line)
             else:
-                self._traces[key] = loaded.run(self.batch(case, steps, teacher_forced), steps).on_cpu()
+                try:
+                    self._traces[key] = loaded.run(self.batch(case, steps, teacher_forced), steps).on_cpu()
+                except Unsupported as exc:   # the batch asks for what the implementation cannot express
+                    self._traces[key] = exc
         result = self._traces[key]
         if isinstance(result, LoadFailed):
             raise result
+        if isinstance(result, Unsupported):
+            pytest.skip(f"{impl} [{case.id}]: {result}")
         return result
 
 
@@ -78,12 +85,17 @@ class DraftStore:
 
 def conformance_params(impls, dtype_names, cases, extra_id: str = "", steps: int | None = None):
     """pytest params impl x dtype x case; a registered load failure or divergence makes its param a strict
-    xfail, unless it is registered at a step beyond the `steps` the test compares."""
+    xfail, unless it is registered at a step beyond the `steps` the test compares; a case the
+    implementation cannot express (its adapter's `unsupported`) is a skip with the adapter's reason."""
     for impl in impls:
         for dtype_name in dtype_names:
             for case in cases:
                 ids = "-".join(p for p in (impl, dtype_name, extra_id, case.id) if p)
-                yield known_param(impl, dtype_name, case, id=ids, known=for_case(impl, case, steps))
+                why = ADAPTERS[impl]().unsupported(case.config)
+                if why:   # the implementation cannot even express the case: a skip naming why
+                    yield pytest.param(impl, dtype_name, case, id=ids, marks=pytest.mark.skip(reason=why))
+                else:
+                    yield known_param(impl, dtype_name, case, id=ids, known=for_case(impl, case, steps))
 
 
 def compare_with_reference(drafts: DraftStore, impl: str, case: DraftCase, dtype_name: str, steps: int = 1,

@@ -73,6 +73,9 @@ def versions() -> dict[str, str]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = "not installed"
+    for a in ADAPTERS.values():   # an implementation in an environment of its own (e.g. vLLM) knows its version
+        if a.package and out[a.package] == "not installed":
+            out[a.package] = a.version() or "not installed"
     return out
 
 
@@ -96,10 +99,12 @@ class Report:
     entries: list[Entry] = field(default_factory=list)
     sections: dict[Section, list[dict]] = field(default_factory=dict)
     verdict: dict | None = None   # the verdict on a user's draft (conformance/user/verdict.py), as data
+    # What other processes of the same run found (pytest-xdist workers, merged by the controller): parts()
+    absorbed: list[dict] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.entries or self.sections or self.verdict)
+        return not (self.entries or self.sections or self.verdict or self.absorbed)
 
     def add_row(self, section: Section, row: dict) -> None:
         """One row of a section: JSON-able values; a table in report.md."""
@@ -114,16 +119,26 @@ class Report:
     def add_load_failure(self, impl: str, case_id: str, dtype: str, nodeid: str, outcome: str, error: str) -> None:
         self.entries.append(Entry(None, nodeid, outcome, case_id, impl, dtype, error))
 
-    def sorted_entries(self) -> list[Entry]:
-        return sorted(self.entries, key=lambda e: (e.case_id, e.impl, e.dtype, e.nodeid))
+    def parts(self) -> dict:
+        """This process's findings as JSON data, for the process that writes the report (absorb)."""
+        return _plain({"comparisons": [_comparison(e) for e in self.entries],
+                       "sections": {s.value: rows for s, rows in self.sections.items()}, "verdict": self.verdict})
+
+    def absorb(self, parts: dict) -> None:
+        self.absorbed.append(parts)
 
     def to_json(self) -> dict:
-        """Everything the report says, as data; every rendering starts here."""
+        """Everything the report says, as data; every rendering starts here. Rows are sorted and taken as
+        JSON data, so the report is the same however the tests were spread over processes."""
         v = versions()
-        comparisons = [_comparison(e) for e in self.sorted_entries()]
-        sections = {s.value: sorted(self.sections[s], key=lambda r: json.dumps(r, sort_keys=True, default=str))
-                    for s in Section if s in self.sections}
-        return {"tool": "eagle3-conformance", "versions": v, **({"verdict": self.verdict} if self.verdict else {}),
+        every = [self.parts(), *self.absorbed]
+        comparisons = sorted((c for p in every for c in p["comparisons"]),
+                             key=lambda c: (c["case"], c["impl"], c["dtype"], c["nodeid"]))
+        sections = {s.value: sorted((r for p in every for r in p["sections"].get(s.value, ())),
+                                    key=lambda r: json.dumps(r, sort_keys=True))
+                    for s in Section if any(s.value in p["sections"] for p in every)}
+        verdict = next((p["verdict"] for p in every if p["verdict"]), None)
+        return {"tool": "eagle3-conformance", "versions": v, **({"verdict": verdict} if verdict else {}),
                 "comparisons": comparisons, "support_matrix": support_matrix(comparisons, v), "sections": sections}
 
     def to_markdown(self) -> str:
@@ -136,6 +151,11 @@ class Report:
         _atomic_write(directory / "report.md", report_render.markdown(data))
         report_render.write_chart(data, directory / CHART_FILE)
         report_render.write_accept_chart(data, directory / report_render.ACCEPT_CHART_FILE)
+
+
+def _plain(data):
+    """The data as it reads back from JSON (tuples become lists, other objects their str)."""
+    return json.loads(json.dumps(data, default=str))
 
 
 def _comparison(e: Entry) -> dict:

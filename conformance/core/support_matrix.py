@@ -1,14 +1,19 @@
-"""The support matrix: per check area and case, is it safe to deploy with each implementation version?
-Generated from the registry (registry.toml) for the README; report.md carries the draft matrix from the
-tests that actually ran. `python -m conformance.core.support_matrix --write-readme` refreshes the README.
+"""The support matrix: per check area and case, is it safe to deploy with each implementation release?
+Generated from the registry (registry.toml) for the README, one column per release an adapter is tested
+against (its `releases`), each evaluated from the registry at that release, whatever is installed;
+report.md carries the draft matrix from the tests that actually ran.
+`python -m conformance.core.support_matrix --write-readme` refreshes the README.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
+from unittest import mock
 
+from conformance.core import registry
 from conformance.core.matching import deciding
-from conformance.core.registry import REGISTRY, for_accounting, for_case, installed_version
+from conformance.core.registry import for_accounting, for_case
 from fixtures.cases import ALL_CASES, DraftCase
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -21,8 +26,40 @@ def impls() -> tuple[str, ...]:
     return IMPLEMENTATIONS
 
 
-def column(impl: str) -> str:
-    return f"{impl} {installed_version(impl)}"
+def releases(impl: str) -> tuple[str, ...]:
+    from conformance.adapters import ADAPTERS
+
+    return ADAPTERS[impl].releases
+
+
+def columns(only: str | None = None) -> list[tuple[str, str]]:
+    """(implementation, release) of every column: each adapter's releases under test (`only`: one adapter's)."""
+    return [(impl, r) for impl in impls() if only in (None, impl) for r in releases(impl)]
+
+
+def column(impl: str, release: str) -> str:
+    return f"{impl} {release}"
+
+
+@contextlib.contextmanager
+def at_release(impl: str, release: str):
+    """The registry evaluated as if `release` of `impl` were installed (the other implementations as they are)."""
+    installed = registry.installed_version
+
+    def version(name: str) -> str | None:
+        return release if name == impl else installed(name)
+
+    with mock.patch.object(registry, "installed_version", version):
+        yield
+
+
+def per_release(cell, only: str | None = None, *args) -> dict[str, str]:
+    """{column: cell(impl, *args) at that release} over the columns."""
+    out = {}
+    for impl, release in columns(only):
+        with at_release(impl, release):
+            out[column(impl, release)] = cell(impl, *args)
+    return out
 
 
 def knob_setting(case: DraftCase) -> str:
@@ -35,7 +72,12 @@ def knob_setting(case: DraftCase) -> str:
 
 
 def draft_cell(impl: str, case: DraftCase) -> str:
-    """The deciding forward entry (a load refusal first), then the accounting entries."""
+    """What the implementation cannot express (its adapter's `unsupported`: the tests skip), else the deciding
+    forward entry (a load refusal first), then the accounting entries."""
+    from conformance.adapters import ADAPTERS
+
+    if why := ADAPTERS[impl]().unsupported(case.config):
+        return f"not expressible: {why}"
     entry = deciding(for_case(impl, case), case.config.num_hidden_layers)
     cells = [] if entry is None else [
         f"refused at load: {entry.error} ({entry.id})" if entry.area == "load"
@@ -45,19 +87,19 @@ def draft_cell(impl: str, case: DraftCase) -> str:
 
 
 def draft_rows(cases=ALL_CASES) -> list[dict]:
-    return [{"case": c.id, "what": c.summary, "knobs": knob_setting(c),
-             **{column(i): draft_cell(i, c) for i in impls()}} for c in cases]
+    return [{"case": c.id, "what": c.summary, "knobs": knob_setting(c), **per_release(draft_cell, None, c)}
+            for c in cases]
 
 
 def tree_rows() -> list[dict]:
     from conformance.draft.tree_cases import TREE_CASES, known_tree
 
-    def cell(case) -> str:
+    def cell(_impl, case) -> str:
         entry = deciding(known_tree(case), 1)
         return "safe" if entry is None else f"diverges: step {entry.step} `{entry.stage}` ({entry.id})"
 
     return [{"tree case": c.id, "draft": c.draft, "topk": c.topk, "steps": c.steps,
-             "draft tokens": c.num_draft_tokens, column("sglang"): cell(c)} for c in TREE_CASES]
+             "draft tokens": c.num_draft_tokens, **per_release(cell, "sglang", c)} for c in TREE_CASES]
 
 
 def wiring_rows() -> list[dict]:
@@ -66,19 +108,27 @@ def wiring_rows() -> list[dict]:
     from conformance.wiring.cases import known_wiring, wiring_matrix
     from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS
 
-    rows: dict[tuple[str, str], dict[str, list[str]]] = {}
-    for target, case, fmt in wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS):
-        known = known_wiring(target, case, fmt)
-        key = "safe" if not known else f"{known[0].kind} ({known[0].id})"
-        rows.setdefault((target.id, fmt), {}).setdefault(key, []).append(case.id)
-    return [{"target": t, "config format": f, column("sglang"): "; ".join(
-                f"{key}: {', '.join(cases)}" for key, cases in sorted(cells.items(), key=lambda kv: kv[0] != "safe"))}
-            for (t, f), cells in rows.items()]
+    def cells(_impl) -> dict[tuple[str, str], str]:
+        rows: dict[tuple[str, str], dict[str, list[str]]] = {}
+        for target, case, fmt in wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS):
+            known = known_wiring(target, case, fmt)
+            key = "safe" if not known else f"{known[0].kind} ({known[0].id})"
+            rows.setdefault((target.id, fmt), {}).setdefault(key, []).append(case.id)
+        return {where: "; ".join(f"{key}: {', '.join(cases)}"
+                                 for key, cases in sorted(by_key.items(), key=lambda kv: kv[0] != "safe"))
+                for where, by_key in rows.items()}
+
+    per_column = per_release(cells, "sglang")
+    return [{"target": t, "config format": f, **{col: by_place[(t, f)] for col, by_place in per_column.items()}}
+            for (t, f) in next(iter(per_column.values()))]
 
 
 def settings_rows() -> list[dict]:
+    def holds(impl, entry) -> str:
+        return "yes" if entry.version_holds() else "no"
+
     return [{"setting": e.setting, "when": f"`{e.when}`", "entry": e.id, "versions": f"{e.impl} {e.versions}",
-             "holds here": "yes" if e.version_holds() else "no"} for e in REGISTRY if e.area == "settings"]
+             **per_release(holds, e.impl, e)} for e in registry.REGISTRY if e.area == "settings"]
 
 
 def markdown(rows: list[dict]) -> str:

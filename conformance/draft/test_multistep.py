@@ -4,7 +4,7 @@ K = 7 draft steps per run, every step compared stage by stage (so K = 1..7 are a
 modes: teacher-forced (steps >= 1 embed the data tokens, as training does; speculators shifts its
 input_ids left by the step over the packed row, core.py:332-338, and every side is fed those ids)
 and free-running (each step embeds the draft's own d2t-mapped argmax, as serving does). speculators
-has no free-running mode, so that mode runs SGLang only, in fp32: with bf16 near-ties two correct
+has no free-running mode, so that mode runs the servers only (SGLang, vLLM), in fp32: with bf16 near-ties two correct
 implementations may pick different tokens and then legitimately draft different chains.
 SGLang's DECODE passes run on each request's last token; its rows are compared to the reference's.
 """
@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from conformance.adapters import IMPLEMENTATIONS
+from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
 from conformance.adapters.base import Trace
 from conformance.core.compare import compare_traces
 from conformance.core.harness import assert_conforms, conformance_params
@@ -22,18 +22,19 @@ from conformance.core.tolerances import DTYPES
 from fixtures.cases import CASES_BY_ID, MULTISTEP_CASES
 
 STEPS = 7
+SERVING = [impl for impl in ALL_IMPLEMENTATIONS if ADAPTERS[impl].serving_decode]   # they draft freely
 
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("impl,dtype_name,case",
-                         list(conformance_params(IMPLEMENTATIONS, DTYPES, MULTISTEP_CASES, extra_id="teacher")))
+                         list(conformance_params(ALL_IMPLEMENTATIONS, DTYPES, MULTISTEP_CASES, extra_id="teacher")))
 def test_multistep_teacher_forced_matches_reference(impl, dtype_name, case, drafts, report, request, repro):
     assert_conforms(drafts, report, impl, case, dtype_name, request.node.nodeid, repro, steps=STEPS)
 
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("impl,dtype_name,case",
-                         list(conformance_params(["sglang"], ["fp32"], MULTISTEP_CASES, extra_id="free")))
+                         list(conformance_params(SERVING, ["fp32"], MULTISTEP_CASES, extra_id="free")))
 def test_multistep_free_running_matches_reference(impl, dtype_name, case, drafts, report, request, repro):
     assert_conforms(drafts, report, impl, case, dtype_name, request.node.nodeid, repro, steps=STEPS,
                     teacher_forced=False)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.adapters import IMPLEMENTATIONS
+from conformance.adapters import ALL_IMPLEMENTATIONS
 from conformance.core.harness import assert_conforms, conformance_params
 from conformance.core.tolerances import DTYPES
 from fixtures.cases import STEP0_CASES
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("impl,dtype_name,case", list(conformance_params(IMPLEMENTATIONS, DTYPES, STEP0_CASES)))
+@pytest.mark.parametrize("impl,dtype_name,case", list(conformance_params(ALL_IMPLEMENTATIONS, DTYPES, STEP0_CASES)))
 def test_step0_matches_reference(impl, dtype_name, case, drafts, report, request, repro):
     assert_conforms(drafts, report, impl, case, dtype_name, request.node.nodeid, repro)

@@ -4,7 +4,8 @@ report.md.
 Two pytest processes run a representative, fast part of the lane (every step-0 case in every dtype and
 implementation, load refusals included; multi-step cases; weight accounting with a refusal and a silent
 drop) with `--report`. They differ in everything that must not matter: the hash seed (set and dict order
-of strings), the temp directory the checkpoints are written to, and the time. Run to run differences this
+of strings), the temp directory the checkpoints are written to, the time, and the processes: the second
+spreads the files over two pytest-xdist workers, as the Makefile runs the lanes. Run to run differences this
 caught: which of two checks named speculators' refusal of a tied draft (a NaN scan of memory nothing wrote).
 """
 from __future__ import annotations
@@ -25,12 +26,12 @@ SELECTION = ("conformance/draft/test_step0.py", "conformance/draft/test_multiste
 FILES = ("report.json", "report.md")
 
 
-def run_lane(out: Path, hash_seed: str) -> Path:
+def run_lane(out: Path, hash_seed: str, *parallel: str) -> Path:
     report = out / "report"
     out.mkdir(parents=True)   # pytest creates --basetemp itself, but not its parent
     env = {**os.environ, "PYTHONHASHSEED": hash_seed}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cpu and not meta",
-                           f"--basetemp={out / 'tmp'}", f"--report={report}", *SELECTION],
+                           f"--basetemp={out / 'tmp'}", f"--report={report}", *parallel, *SELECTION],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, \
         f"the lane failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
@@ -39,7 +40,7 @@ def run_lane(out: Path, hash_seed: str) -> Path:
 
 def test_two_runs_of_the_lane_write_identical_reports(tmp_path):
     a = run_lane(tmp_path / "a", "1")
-    b = run_lane(tmp_path / "b", "2")
+    b = run_lane(tmp_path / "b", "2", "-n", "2", "--dist", "loadfile")
     for name in FILES:
         left, right = (a / name).read_text(), (b / name).read_text()
         diff = list(difflib.unified_diff(left.splitlines(), right.splitlines(), "run 1", "run 2", n=0, lineterm=""))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conformance.adapters import ADAPTERS
+from conformance.adapters.base import lane_of
 from conformance.throughput.results import RESULTS
 from fixtures.real_shapes import SHAPES
 from fixtures.tiny import make_config
@@ -110,7 +111,7 @@ def sweep(device: str, sizes, dtypes) -> list[BenchCase]:
             for B in BATCHES:
                 for L in CONTEXTS:
                     for pass_ in (EXTEND, DECODE):
-                        for impl in ADAPTERS:
+                        for impl in (name for name, a in ADAPTERS.items() if lane_of(a) == "cpu"):
                             case = BenchCase(size, dtype, device, B, L, pass_, impl)
                             if restriction(case) is None:
                                 out.append(case)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import Trace
+from conformance.adapters.base import Trace, lane_of
 from conformance.checkpoints.directory import write_draft
 from conformance.checkpoints.formats import config_json
 from conformance.checkpoints.hidden_states import TinyTarget, read_dump, uses_tiny_target
@@ -174,6 +174,8 @@ class UserDraftStore(DraftStore):
             dirs = self.checkpoint(self.case)
             self._accounts = {}
             for impl, adapter in ADAPTERS.items():
+                if lane_of(adapter) != "cpu":   # its own lane (e.g. vLLM's environment): not part of this verdict
+                    continue
                 self._accounts[impl] = account(impl, dirs[adapter.checkpoint_format], self.plan.accounting,
                                                self.inputs.target)
                 gc.collect()   # the model it loaded, before the next one loads

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import torch
 
+from conformance.adapters.sglang import compat
+
 ATTENTION_BACKEND = "torch_native"
 # On CUDA: SGLang's Triton attention, the GPU backend that needs no extra package (triton ships with
 # torch; flashinfer and fa3 are separate CUDA builds).
@@ -52,7 +54,7 @@ def ensure_runtime() -> dict:
         initialize_model_parallel,
         model_parallel_is_initialized,
     )
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.runtime_context import get_parallel, reset_context
     from sglang.srt.server_args import ServerArgs
 
     # SGLang picks its kernels per host when its modules are imported (is_cuda()), so the device is
@@ -71,12 +73,9 @@ def ensure_runtime() -> dict:
         reset_context()
         # model_path "dummy" is SGLang's own "no model" value: server-argument resolution then
         # skips reading a model config (the draft's config is read per checkpoint in load()).
-        publish(
+        compat.publish_scheduler(
             ServerArgs(model_path="dummy", device=device, attention_backend=attention_backend(device),
-                       tp_size=1, ep_size=1, pp_size=1),
-            role="scheduler",
-            ranks=SpawnRanks(world_rank=0),
-        )
+                       tp_size=1, ep_size=1, pp_size=1))
         # reset_context() drops the WORLD handle init_distributed_environment registered.
         get_parallel().override_permanently(world_group=parallel_state._WORLD)
         initialize_model_parallel(backend="gloo")
@@ -156,8 +155,8 @@ def forward_batch_on(fb, device: str):
 
 def forward_pass(model, backend, fb):
     """One draft pass as SGLang's model runner makes it: the backend's metadata, then the model."""
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.model_executor.forward_context import ForwardContext
 
-    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend), forward_batch=fb):
+    with torch.no_grad(), compat.forward_context(ForwardContext(attn_backend=backend), fb):
         backend.init_forward_metadata(fb)
         return model.forward(fb.input_ids, fb.positions, fb)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+from conformance.adapters.sglang import compat
 from conformance.adapters.sglang.runtime import ATTENTION_BACKEND, ensure_runtime
 from conformance.core.common import first_line
 from fixtures.targets import TargetSpec
@@ -151,7 +152,7 @@ class SGLangTarget:
     def _pass(self, backend, input_ids: torch.Tensor, start: int, end: int, decode: bool):
         """One forward over tokens [start, end) of the request, the first `start` already in the KV cache."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+        from sglang.srt.model_executor.forward_context import ForwardContext
 
         n, on = end - start, dict(device=self.device)
         seq_lens = torch.tensor([end], **on)
@@ -166,7 +167,7 @@ class SGLangTarget:
             seq_lens=seq_lens, seq_lens_cpu=seq_lens.cpu(), out_cache_loc=torch.arange(start + 1, end + 1, **on),
             seq_lens_sum=end, positions=torch.arange(start, end, **on), capture_hidden_mode=CaptureHiddenMode.FULL,
             spec_info=None, **extend)
-        with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend), forward_batch=fb):
+        with torch.no_grad(), compat.forward_context(ForwardContext(attn_backend=backend), fb):
             backend.init_forward_metadata(fb)
             return self.model.forward(fb.input_ids, fb.positions, fb)
 

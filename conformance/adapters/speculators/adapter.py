@@ -50,6 +50,7 @@ class SpeculatorsAdapter:
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST) - NOT_OBSERVABLE
     draft_group: ClassVar[int | None] = 8   # its CPU attention materialises scores over the whole packed batch
     serving_decode: ClassVar[bool] = False
+    releases: ClassVar[tuple[str, ...]] = ("0.8.0", "0.8.1", "0.9.0")   # compat.py absorbs what differs
     silent_drop: ClassVar[str | None] = None   # its loading is checked tensor by tensor: a drop is a refusal
 
     @classmethod
@@ -69,7 +70,7 @@ class SpeculatorsAdapter:
         return torch.device(device).type == "cpu"
 
     def load(self, ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = None,
-             device: str = "cpu") -> "LoadedSpeculators":
+             device: str = "cpu", attention: str = TRAINING_ATTENTION) -> "LoadedSpeculators":
         # Imported here: speculators takes seconds to import and only this adapter needs it.
         from speculators.model import SpeculatorModel
         from speculators.models.eagle3 import Eagle3SpeculatorConfig
@@ -77,7 +78,7 @@ class SpeculatorsAdapter:
 
         ckpt_dir = Path(ckpt_dir)
         config = Eagle3SpeculatorConfig.from_pretrained(ckpt_dir)
-        config.transformer_layer_config._attn_implementation = TRAINING_ATTENTION
+        config.transformer_layer_config._attn_implementation = attention
         if (config.transformer_layer_config.rope_parameters or {}).get("partial_rotary_factor", 1) < 1:
             # Stock HF apply_rotary_pos_emb cannot turn part of a head; speculators' training installs
             # its partial-neox patch for such drafts (train/cli.py:623-625, rotary_partial.py:73-92).
@@ -101,7 +102,7 @@ class SpeculatorsAdapter:
         )
         _check_every_tensor_loaded(model, ckpt_dir, info)
         model = to_compute_dtype(model.to(device), dtype).eval()
-        return LoadedSpeculators(model, dtype, info, device)
+        return LoadedSpeculators(model, dtype, info, device, ckpt_dir)
 
     def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None) -> Accounting:
         """speculators' transformers loader keys parameters by name; load()'s strict check raises on
@@ -196,8 +197,10 @@ def _check_every_tensor_loaded(model: torch.nn.Module, ckpt_dir: Path, info: dic
 
 
 class LoadedSpeculators:
-    def __init__(self, model, dtype: torch.dtype, loading_info: dict, device: str = "cpu"):
+    def __init__(self, model, dtype: torch.dtype, loading_info: dict, device: str = "cpu",
+                 ckpt_dir: Path | None = None):
         self.model = model
+        self.ckpt_dir = ckpt_dir
         self.dtype = dtype
         self.loading_info = loading_info   # transformers' report: missing/unexpected/mismatched keys
         self.device = device
@@ -243,7 +246,16 @@ class LoadedSpeculators:
                                                 tuple(range(step + 1)), TIMED[step]))
 
     def drafter(self) -> Drafter:
-        return teacher_forced_drafter(self)
+        """On CPU the simulation drafts with speculators' sdpa path: the same TTT forward over the same
+        masks, dense (create_mask, extend_dense_mask_for_draft_tokens; core.py:53-59, 347-356), because
+        eager flex attention costs about 60 ms a call in vmap overhead and the simulation makes over a
+        thousand calls. The flex path is the one the conformance tests compare stage by stage, and the
+        simulation's drafts are checked token by token against the reference's, so a difference between
+        the two paths still fails there."""
+        if torch.device(self.device).type != "cpu" or self.model._attn_impl != TRAINING_ATTENTION or not self.ckpt_dir:
+            return teacher_forced_drafter(self)
+        return teacher_forced_drafter(SpeculatorsAdapter().load(self.ckpt_dir, self.dtype, device=self.device,
+                                                                attention="sdpa"))
 
 
 def _summary(info: dict) -> str:

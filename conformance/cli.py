@@ -1,0 +1,124 @@
+"""`eagle3-conformance`: the suite installed into your own serving environment.
+
+    eagle3-conformance check DRAFT [--data FILE] [--hidden DIR] [--target-config FILE] [--sglang-args "..."]
+                                   [--trainer NAME] [--trained-aux-layers LAYERS] [--report DIR] [-- PYTEST_ARGS]
+
+runs exactly the checks of `make check DRAFT=...` (the root Makefile), against the implementations installed
+next to it, and exits as it does: 0 served as trained, 1 not, 4 bad input. The verdict names the versions
+that ran. First, every implementation the verdict drives must be installed, at a release inside the range
+its adapter is tested against (`releases`): otherwise one line and exit 4, before anything imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion
+
+PROG = "eagle3-conformance"
+BAD_INPUT = 4   # pytest's usage-error code, what `make check` documents for bad input
+PACKAGE = Path(__file__).resolve().parent
+# The repository's pytest.ini, shipped inside the package (a link in the repository, a copy in the wheel):
+# markers, strict xfails, addopts. Not named pytest.ini, or pytest would take it as the configuration of
+# every run under conformance/ in the repository.
+INI = PACKAGE / "suite-pytest.ini"
+
+# check's options -> the pytest options `make check` passes (conformance/plugin.py defines them).
+OPTIONS = (
+    ("--data", "--training-data", "FILE", "JSONL training samples"),
+    ("--hidden", "--hidden-states", "DIR", "the samples' aux hidden states (speculators' datagen layout)"),
+    ("--target-config", "--target-config", "FILE", "the target model's config.json"),
+    ("--sglang-args", "--sglang-args", "ARGS", "the server's command line, quoted as one argument"),
+    ("--trainer", "--trainer", "NAME", "how the draft was trained: auto (default), speculators, specforge, eagle3"),
+    ("--trained-aux-layers", "--trained-aux-layers", "LAYERS", "the layers training captured, e.g. embed,3,31"),
+)
+DEFAULT_REPORT = "report"   # make check's REPORT default
+# The implementations checked for here: those of the default lane, imported in this environment. An adapter
+# with a lane of its own (its own environment, e.g. the vLLM lane's) is not looked for.
+DEFAULT_LANE = "cpu"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # A usage error is bad input: exit 4, as `make check` without DRAFT (argparse's own code is 2).
+        self.print_usage(sys.stderr)
+        self.exit(BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = _Parser(prog=PROG, description=__doc__.splitlines()[0].strip("`: "))
+    commands = top.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="one verdict on your draft: will your SGLang serve it as trained?",
+                                description="The checks of `make check` on your draft, against the implementations "
+                                            "installed here. Exit 0 served as trained, 1 not, 4 bad input.")
+    check.add_argument("draft", metavar="DRAFT", help="the draft's directory (config.json and weights)")
+    for flag, _, metavar, help_text in OPTIONS:
+        check.add_argument(flag, metavar=metavar, default=None, help=help_text)
+    check.add_argument("--report", metavar="DIR", default=DEFAULT_REPORT,
+                       help=f"where report.md / report.json go (default: ./{DEFAULT_REPORT})")
+    return top
+
+
+def pytest_args(args: argparse.Namespace, extra: list[str] = ()) -> list[str]:
+    """The arguments of `make check`'s pytest command for these options (the `=` form throughout, so that
+    a path outside the package never counts as a place to look for the configuration)."""
+    out = ["-q", f"--draft-checkpoint={args.draft}"]
+    for flag, option, _, _ in OPTIONS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value:
+            out.append(f"{option}={value}")
+    out.append(f"--report={args.report}")
+    return out + list(extra)
+
+
+def suite_args() -> list[str]:
+    """Where the checks are: the package's own test files, configuration and plugin, wherever it is installed.
+    The root is the directory holding the package, so test ids read as in the repository; pytest.ini's
+    `pythonpath = .` is emptied (it would put the package directory itself on sys.path); conftest files
+    are looked for inside the package only."""
+    return ["-c", str(INI), f"--rootdir={PACKAGE.parent}", f"--confcutdir={PACKAGE}", "-o", "pythonpath=",
+            "-p", "conformance.plugin", str(PACKAGE)]
+
+
+def refusal() -> str | None:
+    """One line when an implementation of the default lane is missing or outside its adapter's releases, else None."""
+    from conformance.adapters import ADAPTERS
+    from conformance.adapters.base import lane_of, supported_range
+
+    for adapter in ADAPTERS.values():
+        if adapter.package is None or lane_of(adapter) != DEFAULT_LANE:
+            continue
+        version = adapter.version()
+        tested = ", ".join(adapter.releases)
+        if version is None:
+            return (f"{PROG}: {adapter.package} is not installed in this environment ({sys.executable}); "
+                    f"the suite checks the {adapter.package} installed next to it (tested releases: {tested})")
+        spec = supported_range(adapter)
+        try:
+            inside = not spec or SpecifierSet(spec).contains(version, prereleases=True)
+        except InvalidVersion:
+            inside = False
+        if not inside:
+            return (f"{PROG}: {adapter.package} {version} is outside the supported releases {spec} "
+                    f"(tested: {tested}; the version matrix, README \"Releases under test\")")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # After `--`: further pytest arguments, passed as they are.
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, extra = parser().parse_args(argv[:cut]), argv[cut + 1:]
+    refused = refusal()
+    if refused:
+        print(refused, file=sys.stderr)
+        return BAD_INPUT
+    import pytest
+
+    return int(pytest.main(pytest_args(args, extra) + suite_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

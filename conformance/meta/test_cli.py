@@ -1,0 +1,166 @@
+"""The installed entry point (conformance/cli.py): `eagle3-conformance check DRAFT ...` runs what `make check DRAFT=...`
+runs, refuses an implementation outside its adapter's releases or missing in one line (exit 4), and finds its
+configuration and plugin from any directory.
+
+The oracle for the argument mapping is the root Makefile's own `check` recipe, printed by `make -n`: the
+pytest options of both commands must be equal for the same inputs, and every option of the recipe must
+have a flag on the entry point. A planted wrong mapping (two options swapped) is caught by name.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from conformance import cli
+from conformance.adapters import ADAPTERS
+from conformance.adapters.base import lane_of, supported_range
+
+pytestmark = [pytest.mark.cpu, pytest.mark.meta]
+
+ROOT = Path(__file__).resolve().parents[2]
+# The entry point's flag for each of `make check`'s variables (the Makefile's usage line).
+MAKE_VARS = {"--data": "DATA", "--hidden": "HIDDEN", "--target-config": "TARGET", "--sglang-args": "SGLANG_ARGS",
+             "--trainer": "TRAINER", "--trained-aux-layers": "TRAINED_AUX", "--report": "REPORT"}
+# A distinct value per option, so that two swapped options cannot match; one with spaces and dashes.
+VALUES = {"--data": "in/train.jsonl", "--hidden": "in/hidden", "--target-config": "in/target.json",
+          "--sglang-args": "--speculative-eagle-topk 1 --speculative-num-steps 3", "--trainer": "speculators",
+          "--trained-aux-layers": "embed,3,31", "--report": "out/report"}
+DRAFT = "in/draft"
+
+
+def options(args: list[str]) -> dict[str, object]:
+    """pytest's reading of an argument list: --name=value, --name value, or a bare flag (True)."""
+    out, i = {}, 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--") and "=" in arg:
+            name, value = arg.split("=", 1)
+        elif arg.startswith("-") and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            name, value = arg, args[i + 1]
+            i += 1
+        else:
+            name, value = arg, True
+        out[name] = value
+        i += 1
+    return out
+
+
+def make_check(**make_vars: str) -> list[str]:
+    """The pytest arguments of `make check` for these variables, as make would run it."""
+    argv = ["make", "-n", "-s", "-C", str(ROOT), "check", f"DRAFT={DRAFT}", *(f"{k}={v}" for k, v in make_vars.items())]
+    printed = subprocess.run(argv, capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
+    line = next(line for line in printed.splitlines() if " -m pytest " in line)   # the shell joins `\` lines
+    words = shlex.split(line)
+    return words[words.index("pytest") + 1:]
+
+
+def mismatches(flags: list[str]) -> list[str]:
+    """Each pytest option where `eagle3-conformance check DRAFT <flags>` and `make check` part."""
+    argv = ["check", DRAFT, *(f"{flag}={VALUES[flag]}" for flag in flags)]
+    ours = options(cli.pytest_args(cli.parser().parse_args(argv)))
+    theirs = options(make_check(**{MAKE_VARS[flag]: VALUES[flag] for flag in flags}))
+    return [f"{name}: entry point {ours.get(name)!r}, make check {theirs.get(name)!r}"
+            for name in sorted(set(ours) | set(theirs)) if ours.get(name) != theirs.get(name)]
+
+
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+@needs_make
+@pytest.mark.parametrize("flags", [[], list(MAKE_VARS)], ids=["draft-only", "every-option"])
+def test_check_passes_pytest_what_make_check_passes(flags):
+    assert mismatches(flags) == []
+
+
+@needs_make
+def test_a_swapped_option_is_caught(monkeypatch):
+    swapped = {"--data": "--hidden-states", "--hidden": "--training-data"}
+    monkeypatch.setattr(cli, "OPTIONS", tuple((flag, swapped.get(flag, option), *rest)
+                                              for flag, option, *rest in cli.OPTIONS))
+    found = mismatches(list(MAKE_VARS))
+    assert any(m.startswith("--training-data:") for m in found) and any(m.startswith("--hidden-states:")
+                                                                        for m in found), found
+
+
+def test_every_make_check_variable_has_a_flag():
+    recipe = (ROOT / "Makefile").read_text().split("\ncheck:", 1)[1].split("\n\n", 1)[0]
+    in_recipe = set(re.findall(r"\$\(if \$\((\w+)\),", recipe)) - {"DRAFT"} | {"REPORT"}   # DRAFT: the positional
+    assert in_recipe == set(MAKE_VARS.values()), f"make check: {sorted(in_recipe)}; entry point: {MAKE_VARS}"
+    assert {flag for flag, *_ in cli.OPTIONS} | {"--report"} == set(MAKE_VARS)
+
+
+def test_pytest_knows_every_option_the_entry_point_passes(pytestconfig):
+    for _, option, *_ in cli.OPTIONS:
+        pytestconfig.getoption(option)   # ValueError: no option named ...
+
+
+# ---------------------------------------------------------------- refusals
+
+TESTED = [a for a in ADAPTERS.values() if a.package and a.releases and lane_of(a) == cli.DEFAULT_LANE]
+OWN_LANE = [a for a in ADAPTERS.values() if a.package and lane_of(a) != cli.DEFAULT_LANE]
+
+
+def pretend(monkeypatch, adapter, version: str | None) -> None:
+    """The installed version of `adapter`'s package reads as `version`; every other stays as installed."""
+    monkeypatch.setattr(adapter, "version", classmethod(lambda cls: version))
+
+
+@pytest.mark.parametrize("adapter", TESTED, ids=lambda a: a.name)
+def test_a_release_outside_the_range_is_one_line_and_exit_4(adapter, monkeypatch, capsys):
+    oldest, newest = min(adapter.releases, key=Version), max(adapter.releases, key=Version)
+    below = f"{Version(oldest).major}.{Version(oldest).minor}.{Version(oldest).micro}.dev0"   # before the oldest
+    above = f"{newest}.post1"                                                                    # after the newest
+    for version in (below, above):
+        pretend(monkeypatch, adapter, version)
+        assert cli.main(["check", "no-such-draft"]) == cli.BAD_INPUT
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.startswith(f"eagle3-conformance: {adapter.package} {version} is outside the supported releases "
+                              f"{supported_range(adapter)} ("), err
+    for version in (oldest, newest):   # the range holds every release under test
+        pretend(monkeypatch, adapter, version)
+        assert cli.refusal() is None, version
+
+
+@pytest.mark.parametrize("adapter", TESTED, ids=lambda a: a.name)
+def test_a_missing_implementation_is_one_line_and_exit_4(adapter, monkeypatch, capsys):
+    pretend(monkeypatch, adapter, None)
+    assert cli.main(["check", "no-such-draft"]) == cli.BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"eagle3-conformance: {adapter.package} is not installed"), err
+
+
+@pytest.mark.parametrize("adapter", OWN_LANE, ids=lambda a: a.name)
+def test_an_implementation_of_another_lane_is_not_looked_for(adapter, monkeypatch):
+    pretend(monkeypatch, adapter, None)   # its own environment is not the user's
+    assert cli.refusal() is None
+
+
+def test_a_usage_error_is_exit_4(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["check"])
+    assert exit_.value.code == cli.BAD_INPUT and "DRAFT" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the run itself
+
+def test_from_another_directory_bad_input_is_exit_4_naming_the_file(tmp_path):
+    """The configuration, markers and plugin come from the package, not from the current directory: run from
+    an empty directory, a draft directory without config.json is the one-line bad input of `make check`."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "conformance.cli", "check", "draft", "--report", "out"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == cli.BAD_INPUT, "\n".join(lines[-30:])
+    assert any("config.json" in line and "ERROR" in line for line in lines), "\n".join(lines[-30:])
+    assert list(draft.iterdir()) == []   # nothing written into the user's directory

@@ -1,0 +1,48 @@
+"""Parallel runs (conformance/core/parallel.py): a report merged from several processes is the report one
+process writes, and the engine lane's files are scheduled as one unit."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conformance.core.parallel import scope
+from conformance.core.report import Report, Section
+
+pytestmark = [pytest.mark.cpu, pytest.mark.meta]
+
+ROWS = [(Section.WIRING, {"target": "llama", "slots": (2, 4, 5), "ok": True}),
+        (Section.TRAINED_DRAFT, {"steps": 3, "accuracy": 0.5}),
+        (Section.WIRING, {"target": "qwen3", "slots": (1, 4, 5), "ok": False})]
+FAILURES = [("speculators", "tied_embeddings", "fp32", "a.py::t[x]", "KNOWN", "lm_head.weight never loaded"),
+            ("sglang", "gqa", "bf16", "b.py::t[y]", "PASS", "")]
+
+
+def fill(report: Report, rows, failures) -> Report:
+    for section, row in rows:
+        report.add_row(section, row)
+    for failure in failures:
+        report.add_load_failure(*failure)
+    return report
+
+
+def rendered(report: Report) -> str:
+    return json.dumps(report.to_json(), indent=1)
+
+
+def test_a_report_merged_from_workers_equals_one_process_report():
+    one = fill(Report(), ROWS, FAILURES)
+    controller = fill(Report(), ROWS[2:], FAILURES[1:])        # the controller ran some tests itself
+    worker = fill(Report(), ROWS[:2], FAILURES[:1])
+    controller.absorb(json.loads(json.dumps(worker.parts())))   # as pytest_testnodedown receives it
+    assert rendered(controller) == rendered(one)
+    # planted: a worker's findings that never reach the controller change the report
+    lost = fill(Report(), ROWS[2:], FAILURES[1:])
+    assert rendered(lost) != rendered(one), "a report missing a worker's rows must differ"
+
+
+def test_the_engine_lane_is_one_scope_and_other_files_their_own():
+    assert scope("conformance/engine/test_engine.py::test_a[x]") == scope("conformance/engine/test_engine_faults.py::t")
+    assert scope("conformance/draft/test_step0.py::t[a]") == scope("conformance/draft/test_step0.py::u")
+    assert scope("conformance/draft/test_step0.py::t") != scope("conformance/draft/test_multistep.py::t")
+    assert scope("conformance/draft/test_step0.py::t") != scope("conformance/engine/test_engine.py::t")

@@ -1,0 +1,254 @@
+"""pytest wiring: options, the GPU gate, session fixtures, the repro line and the report.
+
+A plugin module rather than the root conftest.py, so that the installed package carries it: the root
+conftest.py loads it in the repository, `eagle3-conformance` (conformance/cli.py) with `-p` elsewhere."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+from conformance.core.report import Report, versions
+from conformance.core.report_render import terminal_lines
+
+
+# Hypothesis profiles: `ci` (the default: derandomized, so every run draws the same examples), `dev`
+# (random, for exploring) and `nightly` (many more examples). Select with --hypothesis-profile NAME.
+# ci does not shrink: a failing example is reported at once (its labelled draws print the config),
+# and the same example is drawn again on every run.
+CI_PHASES = (Phase.explicit, Phase.reuse, Phase.generate)
+_HYPOTHESIS = dict(deadline=None, print_blob=True,
+                   suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=12, derandomize=True, phases=CI_PHASES, **_HYPOTHESIS)
+settings.register_profile("dev", max_examples=25, **_HYPOTHESIS)
+settings.register_profile("nightly", max_examples=400, **_HYPOTHESIS)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("eagle3-conformance")
+    group.addoption("--report", metavar="DIR", default=None,
+                    help="write report.json, report.md and stage_error.png to DIR (also when tests fail)")
+    group.addoption("--stage-table", action="store_true",
+                    help="print the per-stage max abs/rel error table at the end (implied by --report)")
+    group.addoption("--require-gpu", action="store_true",
+                    help="fail, instead of skipping, gpu tests when CUDA is not available")
+    group.addoption("--draft-checkpoint", metavar="DIR", default=None,
+                    help="your EAGLE-3 draft (speculators, SGLang, legacy SGLang, SpecForge or EAGLE-3 format): runs "
+                         "only the checks on your inputs and ends with one verdict (exit 0 served as trained, "
+                         "1 not, 4 bad input)")
+    group.addoption("--trainer", default="auto", choices=("auto", "speculators", "specforge", "eagle3"),
+                    help="how the draft was trained, i.e. what its aux-layer ids mean, when the checkpoint does not "
+                         "say it (default: detected from the checkpoint)")
+    group.addoption("--trained-aux-layers", metavar="LAYERS", default=None,
+                    help="the target layers training captured, one per aux slot, e.g. embed,3,31 (the input of "
+                         "layer i; embed = the embeddings), when the checkpoint's config.json was rewritten for "
+                         "serving and no longer says it (replaces what the ids say)")
+    group.addoption("--with-matrix", action="store_true",
+                    help="with --draft-checkpoint: run the built-in matrix too (its known divergences stay xfails)")
+    group.addoption("--training-data", metavar="FILE", default=None,
+                    help="JSONL training samples (input_ids, loss_mask, seq_len, n_prompt_tokens, n_response_tokens, "
+                         "source): the draft's inputs (needs --draft-checkpoint)")
+    group.addoption("--hidden-states", metavar="DIR", default=None,
+                    help="the samples' aux hidden states in speculators' datagen layout (hs_<i>.safetensors); "
+                         "default: a tiny random target for tiny drafts, else seeded random")
+    group.addoption("--target-config", metavar="FILE", default=None,
+                    help="the target model's config.json, for the wiring and embedding checks")
+    group.addoption("--sglang-args", metavar="ARGS", default=None,
+                    help="an SGLang server command line (e.g. \"--speculative-eagle-topk 1 --speculative-num-steps 3 "
+                         "--speculative-num-draft-tokens 4\"): resolved by SGLang's own ServerArgs; the report lists "
+                         "requested vs effective speculative settings, and a setting served differently fails")
+    group.addoption("--bench-baselines", metavar="DIR", default=None,
+                    help="benchmark baselines root: stored and compared under DIR/<machine class>/ "
+                         "(sets --benchmark-storage; see conformance/throughput/throughput.py)")
+
+
+def pytest_report_header(config):
+    return "versions under test: " + ", ".join(f"{k} {v}" for k, v in versions().items())
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m deselects: the lane markers decide it
+@pytest.hookimpl(optionalhook=True)   # a pytest-xdist hook: --dist loadfile keeps the engine lane's files together
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") == "loadfile":
+        from conformance.core.parallel import FileGroupScheduling
+
+        return FileGroupScheduling(config, log)
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """The one place that decides skips: gpu tests need CUDA; an implementation's own lane needs its environment."""
+    own_lanes(config, items)
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    if config.getoption("--require-gpu"):
+        raise pytest.UsageError(f"--require-gpu: {len(gpu_items)} gpu tests selected "
+                                "but torch.cuda.is_available() is False")
+    skip = pytest.mark.skip(reason="gpu: torch.cuda.is_available() is False")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+def own_lanes(config, items) -> None:
+    """A test parametrized with an implementation whose adapter has a lane of its own (`lane`, e.g. "vllm":
+    its own environment) carries that lane's marker instead of `cpu` (set on the test function), so `-m cpu`
+    never selects it and `-m vllm` does; without that environment it skips with the adapter's one line."""
+    from conformance.adapters import ADAPTERS
+    from conformance.adapters.base import lane_of
+
+    for item in items:
+        impl = item.callspec.params.get("impl") if hasattr(item, "callspec") else None
+        adapter = ADAPTERS.get(impl) if isinstance(impl, str) else None
+        if adapter is None or lane_of(adapter) == "cpu":
+            continue
+        lane = lane_of(adapter)
+        config.addinivalue_line("markers", f"{lane}: the tests of implementations whose adapter's lane is {lane!r}")
+        item.own_markers[:] = [m for m in item.own_markers if m.name != "cpu"]
+        item.add_marker(getattr(pytest.mark, lane))
+        if why := adapter.missing():
+            item.add_marker(pytest.mark.skip(reason=why))
+
+
+# ---------------------------------------------------------------- session state
+
+_REPORT = Report()
+REPORT_PARTS = "eagle3_report"   # workeroutput key of a pytest-xdist worker's findings
+
+
+@pytest.fixture(scope="session")
+def report() -> Report:
+    return _REPORT
+
+
+@pytest.fixture(scope="session")
+def drafts(tmp_path_factory):
+    from conformance.core.harness import DraftStore
+
+    return DraftStore(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture
+def repro(request) -> str:
+    """The one-line command that reruns exactly this test (inputs are seeded, so the node id suffices)."""
+    return f"python -m pytest {shlex.quote(request.node.nodeid)}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:   # a pytest-xdist worker: the controller writes the one report
+        worker_output[REPORT_PARTS] = json.dumps(_REPORT.parts())
+        return
+    directory = session.config.getoption("--report")
+    if directory and not _REPORT.empty:
+        _REPORT.write(Path(directory))
+
+
+@pytest.hookimpl(optionalhook=True)   # a pytest-xdist hook: the controller receives each worker's findings
+def pytest_testnodedown(node, error):
+    parts = getattr(node, "workeroutput", {}).get(REPORT_PARTS)
+    if parts:
+        _REPORT.absorb(json.loads(parts))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _REPORT.empty or not (config.getoption("--stage-table") or config.getoption("--report")):
+        return
+    tr = terminalreporter
+    tr.section("eagle3 conformance: per implementation pair and stage")
+    for line in terminal_lines(_REPORT.to_json()):
+        tr.write_line(line)
+    if config.getoption("--report"):
+        written = Path(config.getoption("--report")) / "report.md"
+        tr.write_line(f"report written to {written} (and report.json, stage_error.png)")
+
+
+# ---------------------------------------------------------------- benchmarks
+
+# Throughput plugin: enables benchmarks when `-m benchmark` selects them, machine info for
+# baselines, and the tokens/s + roofline table (conformance/throughput/throughput.py).
+pytest_plugins = ("conformance.throughput.throughput",)
+
+
+# ---------------------------------------------------------------- bring your own draft
+
+def pytest_configure(config):
+    """--draft-checkpoint and friends are validated before anything runs: a problem is one line
+    naming the file and the field, and a usage error (exit code 4), not a test failure. The verdict
+    plugin focuses such a run on the user checks and turns their findings into one verdict."""
+    from conformance.user.user_draft import configure_user_inputs
+    from conformance.user.verdict import USER_MARK, VerdictPlugin
+
+    config.addinivalue_line("markers", f"{USER_MARK}: a check on the user's own inputs "
+                                       "(--draft-checkpoint runs only these)")
+    configure_user_inputs(config)
+    config.pluginmanager.register(VerdictPlugin(config, _REPORT), "eagle3-verdict")
+
+
+@pytest.fixture(scope="session")
+def verdict(request):
+    """The session's Verdict on the user's draft: checks add their problems to it."""
+    from conformance.user.verdict import VERDICT_KEY
+
+    return request.config.stash[VERDICT_KEY]
+
+
+@pytest.fixture(scope="session")
+def user_draft(request, tmp_path_factory):
+    """A UserDraftStore whose case `user_draft` is --draft-checkpoint (or, without it, a fixture draft)."""
+    from conformance.user.user_draft import make_user_store
+
+    return make_user_store(request.config, tmp_path_factory.mktemp("user_draft"))
+
+
+@pytest.fixture(scope="session")
+def target_config(request) -> dict | None:
+    """--target-config, parsed (model_type, architectures, hidden_size, num_hidden_layers, vocab_size), or None."""
+    from conformance.user.user_draft import TARGET_KEY
+
+    return request.config.stash.get(TARGET_KEY, None)
+
+
+# ---------------------------------------------------------------- target-side wiring
+
+@pytest.fixture(scope="session")
+def wiring(tmp_path_factory):
+    """A WiringStore: tiny targets (transformers and SGLang, same weights) and draft configs, built once."""
+    from conformance.wiring.wiring import WiringStore
+
+    return WiringStore(tmp_path_factory.mktemp("wiring"))
+
+
+# ---------------------------------------------------------------- training accuracy vs accept length
+
+@pytest.fixture(scope="session")
+def trained_draft():
+    """The tiny draft trained with speculators' training code (fixtures/trained_draft.py), cached."""
+    from fixtures.trained_draft import trained_draft as build
+
+    return build()
+
+
+@pytest.fixture(scope="session")
+def acceptance(trained_draft, tmp_path_factory):
+    """Its predicted accept length, the simulation requests and each implementation's runs, once."""
+    from conformance.acceptance.acceptance import AcceptanceStore
+
+    return AcceptanceStore(trained_draft, tmp_path_factory.mktemp("acceptance"))
+
+
+@pytest.fixture(scope="session")
+def sglang_args(request) -> str:
+    """--sglang-args, or the chain settings the trained draft conforms to."""
+    from conformance.adapters.sglang.settings import DEFAULT_SGLANG_ARGS
+
+    return request.config.getoption("--sglang-args") or DEFAULT_SGLANG_ARGS
