@@ -87,10 +87,11 @@ clean-venv:
 # The version matrix (README "Releases under test"): the CPU conformance lane on every release of sglang and
 # speculators under test (the adapters' `releases`), each but the pinned one installed with --no-deps into
 # .venv-releases/<package>-<version> over this environment; reports in $(REPORT)/versions/<package>-<version>/.
-# One release: make version-lane RELEASE=sglang==0.5.22 (what CI runs per matrix entry).
+# One release: make version-lane RELEASE=sglang==0.5.22 (what CI runs per matrix entry); ONLY=sglang,speculators
+# restricts the matrix to those packages.
 .PHONY: version-matrix version-lane
 version-matrix: venv
-	$(PY) -m conformance.versions matrix --reports $(REPORT)/versions
+	$(PY) -m conformance.versions matrix --reports $(REPORT)/versions $(if $(ONLY),--only $(ONLY))
 
 version-lane: $(if $(RELEASE),venv)
 	@test -n "$(RELEASE)" || { echo "usage: make version-lane RELEASE=sglang==0.5.22 (list: $(PY) -m conformance.versions list)" >&2; exit 4; }

@@ -11,6 +11,7 @@ its adapter is tested against (`releases`): otherwise one line and exit 4, befor
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -38,6 +39,9 @@ DEFAULT_REPORT = "report"   # make check's REPORT default
 # The implementations checked for here: those of the default lane, imported in this environment. An adapter
 # with a lane of its own (its own environment, e.g. the vLLM lane's) is not looked for.
 DEFAULT_LANE = "cpu"
+# What the run imports of the suite's own needs (requirements-suite.txt), looked for before it starts.
+SUITE_MODULES = ("pytest", "pytest_benchmark", "hypothesis", "matplotlib")
+SUITE_NEEDS = "pip install --no-deps -r requirements-suite.txt, README \"Install into your serving environment\""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,6 +63,21 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--report", metavar="DIR", default=DEFAULT_REPORT,
                        help=f"where report.md / report.json go (default: ./{DEFAULT_REPORT})")
     return top
+
+
+def joined(argv: list[str]) -> list[str]:
+    """`--flag VALUE` as `--flag=VALUE` for check's options: every one takes one value, and one that starts with
+    dashes (`--sglang-args "--speculative-eagle-topk 1"`) would otherwise be taken for an option by argparse."""
+    flags = {flag for flag, *_ in OPTIONS} | {"--report"}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in flags and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def pytest_args(args: argparse.Namespace, extra: list[str] = ()) -> list[str]:
@@ -84,6 +103,9 @@ def suite_args() -> list[str]:
 
 def refusal() -> str | None:
     """One line when an implementation of the default lane is missing or outside its adapter's releases, else None."""
+    missing = [name for name in SUITE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"{PROG}: the suite's own needs are not installed: {', '.join(missing)} ({SUITE_NEEDS})"
     from conformance.adapters import ADAPTERS
     from conformance.adapters.base import lane_of, supported_range
 
@@ -110,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # After `--`: further pytest arguments, passed as they are.
     cut = argv.index("--") if "--" in argv else len(argv)
-    args, extra = parser().parse_args(argv[:cut]), argv[cut + 1:]
+    args, extra = parser().parse_args(joined(argv[:cut])), argv[cut + 1:]
     refused = refusal()
     if refused:
         print(refused, file=sys.stderr)

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from conformance.core.report import Report, versions
+from conformance.user.serving import DEFAULT_SERVER as SERVE_WITH_DEFAULT
 from conformance.core.report_render import terminal_lines
 
 
@@ -62,9 +63,19 @@ def pytest_addoption(parser):
                     help="an SGLang server command line (e.g. \"--speculative-eagle-topk 1 --speculative-num-steps 3 "
                          "--speculative-num-draft-tokens 4\"): resolved by SGLang's own ServerArgs; the report lists "
                          "requested vs effective speculative settings, and a setting served differently fails")
+    group.addoption("--serve-with", default=SERVE_WITH_DEFAULT, choices=serve_with_choices(),
+                    help="the server(s) your draft is checked against: " + ", ".join(serve_with_choices()) +
+                         f" (default {SERVE_WITH_DEFAULT}; a server in an environment of its own, e.g. vLLM, needs "
+                         "it built: make venv-vllm)")
     group.addoption("--bench-baselines", metavar="DIR", default=None,
                     help="benchmark baselines root: stored and compared under DIR/<machine class>/ "
                          "(sets --benchmark-storage; see conformance/throughput/throughput.py)")
+
+
+def serve_with_choices() -> tuple[str, ...]:
+    from conformance.user.serving import BOTH, servers
+
+    return (*servers(), BOTH)
 
 
 def pytest_report_header(config):
@@ -100,23 +111,32 @@ def pytest_collection_modifyitems(config, items):
 
 
 def own_lanes(config, items) -> None:
-    """A test parametrized with an implementation whose adapter has a lane of its own (`lane`, e.g. "vllm":
-    its own environment) carries that lane's marker instead of `cpu` (set on the test function), so `-m cpu`
-    never selects it and `-m vllm` does; without that environment it skips with the adapter's one line."""
+    """A test of an implementation whose adapter has a lane of its own (`lane`, e.g. "vllm": its own
+    environment), parametrized with it (`impl`) or with one of its registry entries, carries that lane's
+    marker instead of `cpu` (wherever `cpu` was set: function, module), so `-m cpu` never selects it and
+    `-m vllm` does; without that environment it skips with the adapter's one line."""
     from conformance.adapters import ADAPTERS
     from conformance.adapters.base import lane_of
 
     for item in items:
-        impl = item.callspec.params.get("impl") if hasattr(item, "callspec") else None
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        impl = params.get("impl", getattr(params.get("entry"), "impl", None))
         adapter = ADAPTERS.get(impl) if isinstance(impl, str) else None
         if adapter is None or lane_of(adapter) == "cpu":
             continue
         lane = lane_of(adapter)
         config.addinivalue_line("markers", f"{lane}: the tests of implementations whose adapter's lane is {lane!r}")
-        item.own_markers[:] = [m for m in item.own_markers if m.name != "cpu"]
+        item.iter_markers_with_node = _without_cpu(item.iter_markers_with_node)
         item.add_marker(getattr(pytest.mark, lane))
         if why := adapter.missing():
             item.add_marker(pytest.mark.skip(reason=why))
+
+
+def _without_cpu(iter_markers_with_node):
+    """An item's marker walk (which -m reads) without `cpu`, wherever in the node chain it was set."""
+    def walk(name=None):
+        return ((node, mark) for node, mark in iter_markers_with_node(name) if mark.name != "cpu")
+    return walk
 
 
 # ---------------------------------------------------------------- session state

@@ -41,6 +41,7 @@ class Section(StrEnum):
     # the target side
     WIRING = "wiring"
     WIRING_END_TO_END = "wiring end to end"
+    WIRING_SERVERS = "wiring: the same draft config, the layers each server feeds"
     # serving settings
     SETTINGS = "effective serving settings"
     SETTINGS_SEED = "effective serving settings: the seed's command line"

@@ -21,9 +21,10 @@ START, END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
 
 
 def impls() -> tuple[str, ...]:
-    from conformance.adapters import IMPLEMENTATIONS
+    """Every implementation under test, in whichever lane its tests run."""
+    from conformance.adapters import ALL_IMPLEMENTATIONS
 
-    return IMPLEMENTATIONS
+    return ALL_IMPLEMENTATIONS
 
 
 def releases(impl: str) -> tuple[str, ...]:

@@ -14,9 +14,12 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from conformance import cli
@@ -62,10 +65,12 @@ def make_check(**make_vars: str) -> list[str]:
     return words[words.index("pytest") + 1:]
 
 
-def mismatches(flags: list[str]) -> list[str]:
-    """Each pytest option where `eagle3-conformance check DRAFT <flags>` and `make check` part."""
-    argv = ["check", DRAFT, *(f"{flag}={VALUES[flag]}" for flag in flags)]
-    ours = options(cli.pytest_args(cli.parser().parse_args(argv)))
+def mismatches(flags: list[str], spaced: bool = False) -> list[str]:
+    """Each pytest option where `eagle3-conformance check DRAFT <flags>` and `make check` part (`--flag=VALUE`,
+    or `--flag VALUE` when `spaced`)."""
+    given = [[flag, VALUES[flag]] if spaced else [f"{flag}={VALUES[flag]}"] for flag in flags]
+    argv = ["check", DRAFT, *(word for words in given for word in words)]
+    ours = options(cli.pytest_args(cli.parser().parse_args(cli.joined(argv))))
     theirs = options(make_check(**{MAKE_VARS[flag]: VALUES[flag] for flag in flags}))
     return [f"{name}: entry point {ours.get(name)!r}, make check {theirs.get(name)!r}"
             for name in sorted(set(ours) | set(theirs)) if ours.get(name) != theirs.get(name)]
@@ -75,9 +80,10 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 
 @needs_make
-@pytest.mark.parametrize("flags", [[], list(MAKE_VARS)], ids=["draft-only", "every-option"])
-def test_check_passes_pytest_what_make_check_passes(flags):
-    assert mismatches(flags) == []
+@pytest.mark.parametrize("flags, spaced", [([], False), (list(MAKE_VARS), False), (list(MAKE_VARS), True)],
+                         ids=["draft-only", "every-option", "every-option-spaced"])
+def test_check_passes_pytest_what_make_check_passes(flags, spaced):
+    assert mismatches(flags, spaced) == []
 
 
 @needs_make
@@ -144,6 +150,13 @@ def test_an_implementation_of_another_lane_is_not_looked_for(adapter, monkeypatc
     assert cli.refusal() is None
 
 
+def test_a_missing_need_of_the_suite_is_one_line_and_exit_4(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "SUITE_MODULES", (*cli.SUITE_MODULES, "no_such_module_of_the_suite"))
+    assert cli.main(["check", "no-such-draft"]) == cli.BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not installed: no_such_module_of_the_suite (pip install --no-deps -r" in err, err
+
+
 def test_a_usage_error_is_exit_4(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["check"])
@@ -164,3 +177,52 @@ def test_from_another_directory_bad_input_is_exit_4_naming_the_file(tmp_path):
     assert result.returncode == cli.BAD_INPUT, "\n".join(lines[-30:])
     assert any("config.json" in line and "ERROR" in line for line in lines), "\n".join(lines[-30:])
     assert list(draft.iterdir()) == []   # nothing written into the user's directory
+
+
+# ---------------------------------------------------------------- what gets installed, and CI
+
+def pins(path: Path) -> dict[str, str]:
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    return {canonicalize_name(n): v for n, _, v in (line.partition("==") for line in lines if line and line[0] != "#")}
+
+
+def test_the_suite_needs_are_pinned_as_in_the_lock():
+    suite, lock = pins(ROOT / "requirements-suite.txt"), pins(ROOT / "requirements.lock")
+    assert {n: (v, lock.get(n)) for n, v in suite.items() if lock.get(n) != v} == {}
+    # A serving environment holds these already: the checks are about the ones it has.
+    assert not {"torch", "sglang", "speculators"} & set(suite)
+
+
+def test_every_data_file_of_the_packages_is_in_the_wheel():
+    """pyproject.toml's package-data globs cover every file besides the modules that the packages hold (the
+    registry, the pytest configuration, the real configs): a new data file no glob takes fails here."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = config["package-data"]
+    roots = [ROOT / p.rstrip("*") for p in config["packages"]["find"]["include"]]
+    packages = [d for r in roots for d in [r, *r.rglob("*")] if (d / "__init__.py").is_file()]
+    shipped = {f for d in packages for key in ("*", d.relative_to(ROOT).as_posix().replace("/", "."))
+               for pattern in patterns.get(key, ()) for f in d.glob(pattern)}
+    data = {f for r in roots for f in r.rglob("*") if f.is_file() and f.suffix not in (".py", ".pyc")
+            and "__pycache__" not in f.parts}
+    missing = sorted(str(f.relative_to(ROOT)) for f in data - shipped)
+    assert data and not missing, f"no package-data glob in pyproject.toml takes {missing}"
+    assert cli.INI in shipped and cli.INI.read_text() == (ROOT / "pytest.ini").read_text()
+
+
+def test_the_modules_looked_for_are_the_suite_needs():
+    from importlib.metadata import packages_distributions
+
+    listed = set(pins(ROOT / "requirements-suite.txt"))
+    for module in cli.SUITE_MODULES:
+        assert {canonicalize_name(d) for d in packages_distributions()[module]} & listed, module
+
+
+def test_ci_runs_every_release_under_test_and_the_user_environment():
+    jobs = yaml.safe_load((ROOT / ".github" / "workflows" / "conformance.yml").read_text())["jobs"]
+    pinned = pins(ROOT / "requirements.lock")
+    expected = {f"{a.package}=={v}" for a in TESTED for v in a.releases
+                if v != pinned.get(canonicalize_name(a.package))}   # the cpu job gates the pinned ones
+    assert set(jobs["releases"]["strategy"]["matrix"]["release"]) == expected
+    runs = {job: " ".join(step.get("run", "") for step in spec["steps"]) for job, spec in jobs.items()}
+    assert "make version-lane RELEASE=${{ matrix.release }}" in runs["releases"]
+    assert "make user-env-check" in runs["user-env"] and "make vllm" in runs["vllm"]

@@ -69,3 +69,27 @@ def test_publish_gives_ranks_only_to_a_release_that_has_them(monkeypatch):
 def test_the_installed_release_is_one_under_test():
     """The lane runs on the releases the adapter claims; another one is the packaging's refusal, not a pass."""
     assert SGLangAdapter.version() in SGLangAdapter.releases
+
+
+def test_the_tree_kernels_are_dispatched_where_the_release_dispatches_them(monkeypatch):
+    from sglang.kernels.ops.speculative import spec_tree
+
+    # On the installed release: the module returned holds the flag and branches on it to the Triton port.
+    module = compat.tree_dispatch_module()
+    source = inspect.getsource(module)
+    assert hasattr(module, "_is_xpu") and "elif _is_xpu:" in source and "verify_tree_greedy_triton(" in source
+    # Both shapes, planted: the flag on spec_tree (0.5.23), or not (0.5.20-0.5.22: eagle_utils dispatches).
+    monkeypatch.setattr(spec_tree, "_is_xpu", False, raising=False)
+    assert compat.tree_dispatch_module() is spec_tree
+    monkeypatch.delattr(spec_tree, "_is_xpu")
+    assert compat.tree_dispatch_module().__name__ == "sglang.srt.speculative.eagle_utils"
+
+
+def test_a_flag_the_release_lacks_reads_as_not_given():
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path="dummy")
+    assert compat.has_server_arg("speculative_draft_window_size")
+    assert not compat.has_server_arg("speculative_no_such_flag")
+    assert compat.server_arg(args, "speculative_no_such_flag") is None
+    assert compat.server_arg(args, "speculative_draft_window_size") == args.speculative_draft_window_size

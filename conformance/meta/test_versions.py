@@ -12,7 +12,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import supported_range
+from conformance.adapters.base import lane_of, supported_range
 from conformance.core import registry, support_matrix
 from conformance.versions import matrix
 from conformance.versions.__main__ import main
@@ -40,7 +40,8 @@ def test_every_adapter_release_is_in_the_matrix_and_in_its_range():
     releases = matrix.under_test()
     for adapter in ADAPTERS.values():
         mine = [r.version for r in releases if r.package == adapter.package]
-        assert mine == list(adapter.releases)
+        # The CPU lane's implementations are the matrix's; one with its own lane (vLLM) is tested there.
+        assert mine == (list(adapter.releases) if lane_of(adapter) == "cpu" and adapter.package else [])
         if adapter.releases:
             spec = SpecifierSet(supported_range(adapter))
             assert all(v in spec for v in adapter.releases)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conformance.adapters.sglang import SGLangAdapter
+from conformance.adapters.sglang.compat import has_server_arg
 from conformance.adapters.sglang.settings import CommandLineError, MISMATCH, draft_facts, effective_settings, findings
 from conformance.core.report import Section
 from fixtures.trained_draft import CACHE_ENV
@@ -103,6 +105,8 @@ SILENT = (
 @pytest.mark.cpu
 @pytest.mark.parametrize("command_line,setting", [pytest.param(c, s, id=i) for i, c, s in SILENT])
 def test_silent_serving_behaviour_is_flagged(command_line, setting, trained_draft, report):
+    if not has_server_arg(setting):   # a flag newer than the installed release: its parser refuses it
+        pytest.skip(f"sglang {SGLangAdapter.version()} has no --{setting.replace('_', '-')} (compat.has_server_arg)")
     settings = _settings(trained_draft, command_line)
     for f in settings.mismatches:
         report.add_row(Section.SETTINGS_SILENT, {

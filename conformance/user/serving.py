@@ -13,6 +13,24 @@ from pathlib import Path
 from conformance.checkpoints.knobs import CONFIG_FILE
 from reference.eagle3 import Eagle3Config
 
+# --serve-with: the servers a user's draft is checked against (every adapter that serves: serving_decode).
+BOTH = "both"
+DEFAULT_SERVER = "sglang"
+
+
+def servers() -> list[str]:
+    """The serving implementations (their adapters draft steps >= 1 as a server does)."""
+    from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
+
+    return [impl for impl in ALL_IMPLEMENTATIONS if ADAPTERS[impl].serving_decode]
+
+
+def served_with(config) -> list[str]:
+    """The servers --serve-with selects (the default without a pytest config)."""
+    choice = config.getoption("--serve-with") if config is not None else DEFAULT_SERVER
+    return servers() if choice == BOTH else [choice]
+
+
 STAND_IN = ("no --target-config: --sglang-args resolved against a stand-in Llama target of the draft's widths, "
             "vocabulary and context (SGLang picks auto settings and the context by the target)")
 

@@ -8,6 +8,7 @@ Plan's (conformance/user/plan.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import Trace, lane_of
 from conformance.checkpoints.directory import write_draft
+from conformance.checkpoints.errors import ConversionError
 from conformance.checkpoints.formats import config_json
 from conformance.checkpoints.hidden_states import TinyTarget, read_dump, uses_tiny_target
 from conformance.checkpoints.knobs import CONFIG_FILE
@@ -32,7 +34,7 @@ from conformance.core.tolerances import AGAINST, DTYPES
 from conformance.user.plan import STEPS, plan_for
 from conformance.user.servable import served_ids, write_served_ids
 from conformance.user.serving import STAND_IN
-from conformance.user.trainer import TRAINED_OPTION, layer_names
+from conformance.user.trainer import TRAINED_OPTION, layer_names, other_trainers
 from conformance.user.user_draft import SEED, USER_CASE_ID, UserInputs, user_case
 from fixtures.cases import DraftCase
 from reference.eagle3 import Eagle3Config
@@ -109,6 +111,22 @@ class UserDraftStore(DraftStore):
                 write_draft(cfg, weights or _weights(src.path, cfg), dirs["sglang"], "sglang")
                 self.eagle_ids = served_ids(self.inputs.trainer, self.inputs.target_file, self.root / "twins")
                 write_served_ids(dirs["sglang"], self.eagle_ids[0])
+            # SpecForge reads its own directory as written (its names, its norm_output); any other format
+            # as this suite writes SpecForge's, when SpecForge can express it (else its adapter skips).
+            specforge_dir = root / "specforge"
+            if src.format == "specforge" and linkable:
+                dirs["specforge"] = _linked(src.path, specforge_dir)
+            elif src.format == "specforge":
+                specforge_dir.mkdir(parents=True, exist_ok=True)
+                stored = {src.tensors[k].stored_name if k in src.tensors else k: v.contiguous()
+                          for k, v in (weights or _weights(src.path, cfg)).items()}
+                save_file(stored, str(specforge_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+                shutil.copyfile(src.path / CONFIG_FILE, specforge_dir / CONFIG_FILE)
+                dirs["specforge"] = specforge_dir
+            else:
+                with contextlib.suppress(ConversionError):
+                    dirs["specforge"] = write_draft(cfg, weights or _weights(src.path, cfg), specforge_dir,
+                                                    "specforge")
             self._checkpoints[case.id] = dirs
         return self._checkpoints[case.id]
 
@@ -176,6 +194,8 @@ class UserDraftStore(DraftStore):
             for impl, adapter in ADAPTERS.items():
                 if lane_of(adapter) != "cpu":   # its own lane (e.g. vLLM's environment): not part of this verdict
                     continue
+                if impl in other_trainers(self.inputs.trainer) or adapter.checkpoint_format not in dirs:
+                    continue   # another trainer's implementation, or one that cannot express the draft
                 self._accounts[impl] = account(impl, dirs[adapter.checkpoint_format], self.plan.accounting,
                                                self.inputs.target)
                 gc.collect()   # the model it loaded, before the next one loads

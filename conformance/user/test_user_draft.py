@@ -14,14 +14,17 @@ import dataclasses
 
 import pytest
 
-from conformance.adapters import IMPLEMENTATIONS
+from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
+from conformance.adapters.base import lane_of
 from conformance.core import registry
 from conformance.core.harness import LoadFailed
 from conformance.core.report import FAIL, PASS, Section
 from conformance.loading.accounting import knob_rows
 from conformance.user.plan import FULL, STEPS, plan_for
 from conformance.user.problems import accounting_problems, forward_problem, load_problem
+from conformance.user.serving import served_with
 from conformance.user.servable import conversion_findings, conversion_problem, directory_problem
+from conformance.user.trainer import other_trainers
 from conformance.user.user_draft import INPUTS_KEY
 from conformance.user.verdict import Problem
 
@@ -34,9 +37,21 @@ def pytest_generate_tests(metafunc):
         inputs = metafunc.config.stash.get(INPUTS_KEY, None)   # the plan decides the dtypes (plan.py)
         plan = plan_for(inputs.checkpoint.tensors) if inputs is not None else FULL
         metafunc.parametrize("impl,dtype_name", [pytest.param(impl, d, id=f"{impl}-{d}-user_draft")
-                                                 for impl in IMPLEMENTATIONS for d in plan.dtypes])
+                                                 for impl in user_implementations(inputs, metafunc.config)
+                                                 for d in plan.dtypes])
     elif name == "test_user_draft_weight_accounting":
-        metafunc.parametrize("impl", ["reference", *IMPLEMENTATIONS])
+        inputs = metafunc.config.stash.get(INPUTS_KEY, None)
+        # Weight accounting loads in-process: a server in an environment of its own (its lane) has none.
+        metafunc.parametrize("impl", ["reference", *(impl for impl in user_implementations(inputs, metafunc.config)
+                                                     if lane_of(ADAPTERS[impl]) == "cpu")])
+
+
+def user_implementations(inputs, config=None) -> list[str]:
+    """The implementations a user's draft runs: its own trainer's (conformance/user/trainer.py) and the servers
+    --serve-with names (conformance/user/serving.py)."""
+    chosen = served_with(config)
+    return [impl for impl in ALL_IMPLEMENTATIONS if impl not in other_trainers(inputs.trainer if inputs else None)
+            and (not ADAPTERS[impl].serving_decode or impl in chosen)]
 
 
 def report_once(store, report, verdict) -> None:
@@ -89,6 +104,8 @@ def check_forward(store, report, verdict, impl: str, dtype_name: str, nodeid: st
     __tracebackhide__ = True
     case = store.case if steps == 1 else dataclasses.replace(store.case, id=f"{store.case.id}_{steps}_steps")
     cfg = store.inputs.config
+    if why := ADAPTERS[impl]().unsupported(cfg):
+        pytest.skip(why)
     known = registry.for_case(impl, case, steps)
     try:
         comparison = store.compare(impl, case, dtype_name, steps)
@@ -116,6 +133,8 @@ def test_user_draft_multistep_matches_reference(impl, dtype_name, user_draft, re
 def test_user_draft_weight_accounting(impl, user_draft, report, verdict, request, repro):
     """Every tensor landed bit-exact, no parameter left unloaded, nothing dropped silently."""
     report_once(user_draft, report, verdict)
+    if why := ADAPTERS[impl]().unsupported(user_draft.inputs.config):
+        pytest.skip(why)
     acct = user_draft.accounts()[impl]
     report.add_row(Section.WEIGHT_ACCOUNTING, acct.row(user_draft.case.id))
     if not acct.problems:

@@ -41,6 +41,17 @@ FORMAT_TRAINER = {"speculators": "speculators", "eagle": "eagle3", "specforge": 
 # (speculators: input of layer i; SpecForge: output of layer i = input of layer i + 1). The original EAGLE-3
 # ignores stored ids (hard-coded defaults); an unnamed trainer's ids are read as this suite's parser read them.
 TRAINER_ID_SHIFT = {"speculators": 0, "specforge": 1}
+# The adapter that runs each trainer's own training forward on the user's draft. A draft is judged against
+# its trainer's implementation only, not another trainer's loader; an unnamed trainer (or one without an
+# adapter: the original EAGLE-3) keeps speculators'.
+TRAINER_ADAPTER = {"speculators": "speculators", "specforge": "specforge"}
+DEFAULT_TRAINER = "speculators"
+
+
+def other_trainers(trainer: "Trainer | None") -> frozenset[str]:
+    """The training adapters that do not run on a draft trained by `trainer`."""
+    name = trainer.name if trainer is not None and trainer.name in TRAINER_ADAPTER else DEFAULT_TRAINER
+    return frozenset(adapter for who, adapter in TRAINER_ADAPTER.items() if who != name)
 
 
 def default_ids(num_layers: int) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("release", nargs="?", help="PACKAGE==VERSION (build, lane)")
     parser.add_argument("--reports", default=str(matrix.REPORTS), help="where each lane's report goes (one dir each)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter of the lanes")
+    parser.add_argument("--only", default="", help="matrix: only these packages (comma-separated)")
     args, pytest_args = parser.parse_known_args(argv)
     reports = Path(args.reports)
     try:
@@ -31,10 +32,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("build", "lane") and not args.release:
             raise matrix.ReleaseError(f"{args.command}: give RELEASE, e.g. sglang==0.5.22")
         releases = matrix.under_test() if args.command == "matrix" else [matrix.parse(args.release)]
+        if args.only:
+            releases = [r for r in releases if r.package in args.only.split(",")]
         if args.command == "build":
             print(matrix.build(releases[0], args.python))
             return 0
-        results = [matrix.run_lane(r, args.python, reports=reports, pytest_args=tuple(pytest_args)) for r in releases]
+        results, pinned_lane = [], None
+        for r in releases:
+            if matrix.env_dir(r) is None and pinned_lane is not None:   # the same environment, the same lane
+                results.append(matrix.same_lane(pinned_lane, r, reports))
+                continue
+            results.append(matrix.run_lane(r, args.python, reports=reports, pytest_args=tuple(pytest_args)))
+            if matrix.env_dir(r) is None:
+                pinned_lane = results[-1]
     except matrix.ReleaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 4

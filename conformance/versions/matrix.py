@@ -10,7 +10,8 @@ directory.
 
 Each lane writes its report to report/versions/<package>-<version>/ and `lane.json` beside it: which
 release ran (read back from the report's own versions), the time and size of its environment, the
-time of the lane and pytest's counts. `python -m conformance.versions --help` lists the commands.
+time of the lane and pytest's counts; lane.log holds pytest's output.
+`python -m conformance.versions --help` lists the commands.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ REPORTS = Path("report") / "versions"
 LOCK = "requirements.lock"
 LANE_MARK = "cpu and not meta"
 LANE_FILE = "lane.json"
+LOG_FILE = "lane.log"          # pytest's whole output, beside the report
 BUILT_FILE = ".built.json"
 COUNTS = re.compile(r"(\d+) (passed|failed|xfailed|xpassed|skipped|errors?|deselected)")
 
@@ -58,10 +60,12 @@ class Release:
 
 
 def under_test() -> list[Release]:
-    """Every release of every adapter's package the suite is tested against, in adapter order."""
-    from conformance.adapters import ADAPTERS
+    """Every release the suite is tested against of each implementation of the CPU lane, in adapter order
+    (an implementation with a lane and environment of its own, e.g. vLLM, is tested in that lane)."""
+    from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
 
-    return [Release(a.package, v) for a in ADAPTERS.values() if a.package for v in a.releases]
+    return [Release(ADAPTERS[i].package, v) for i in IMPLEMENTATIONS if ADAPTERS[i].package
+            for v in ADAPTERS[i].releases]
 
 
 def parse(spec: str) -> Release:
@@ -192,7 +196,19 @@ def run_lane(release: Release, python: str = sys.executable, root: Path = ROOT, 
     result = LaneResult(str(release), ran, done.returncode, seconds, counts(done.stdout), env_info, str(out_dir))
     report_json.parent.mkdir(parents=True, exist_ok=True)
     (report_json.parent / LANE_FILE).write_text(json.dumps(asdict(result), indent=1) + "\n")
+    (report_json.parent / LOG_FILE).write_text(done.stdout + done.stderr)
     return result
+
+
+def same_lane(result: LaneResult, release: Release, reports: Path = REPORTS, root: Path = ROOT) -> LaneResult:
+    """The pinned releases all run in the project's environment: one lane is theirs, recorded under each."""
+    ran = json.loads((root / result.report / "report.json").read_text())["versions"].get(release.package, "?") \
+        if (root / result.report / "report.json").exists() else "?"
+    same = LaneResult(str(release), ran, result.returncode, result.seconds, result.counts, result.env, result.report)
+    out = (root / reports / release.slug) if not reports.is_absolute() else reports / release.slug
+    out.mkdir(parents=True, exist_ok=True)
+    (out / LANE_FILE).write_text(json.dumps(asdict(same), indent=1) + "\n")
+    return same
 
 
 def summary(reports: Path = REPORTS, root: Path = ROOT) -> str:

@@ -8,6 +8,8 @@ installed release and checks that the detection picks the branch that release ne
 """
 from __future__ import annotations
 
+import argparse
+import functools
 import inspect
 
 
@@ -45,3 +47,43 @@ def publish_scheduler(server_args) -> None:
         rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
     else:
         rc.publish(server_args, role="scheduler")
+
+
+def server_arg(server_args, name: str):
+    """A ServerArgs field, or None where the release has no such flag (nobody can have asked for it).
+
+    0.5.21-0.5.23: every field the settings check shows exists.
+    0.5.20: no `speculative_draft_sink_size` (--speculative-draft-sink-size is new in 0.5.21,
+    arg_groups/speculative_hook.py:185 there); its parser refuses the flag, so it is never given.
+    """
+    return getattr(server_args, name, None)
+
+
+@functools.cache
+def has_server_arg(name: str) -> bool:
+    """Whether the installed release's server command line has the flag of ServerArgs field `name`
+    (its own parser, ServerArgs.add_cli_args, decides; see server_arg)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    return any(action.dest == name for action in parser._actions)
+
+
+def tree_dispatch_module():
+    """The module whose `_is_xpu` flag picks SGLang's Triton tree-build and greedy-verify kernels (the
+    engine lane's shim, engine_shims.apply_shims).
+
+    0.5.23: the dispatch sits next to the kernels, kernels/ops/speculative/spec_tree.py:28, 396, 537.
+    0.5.20-0.5.22: spec_tree.py holds the kernels only; sglang/srt/speculative/eagle_utils.py dispatches
+    (`_is_xpu` at :47 in 0.5.20-0.5.21, :50 in 0.5.22; its tree-build branch at :240 / :244 / :247 and
+    greedy-verify branch at :431 / :438 / :441 in 0.5.20 / 0.5.21 / 0.5.22). There the flag also selects
+    greedy verification, which a CPU host selects anyway (eagle_utils.py:784 in 0.5.20, :814 in 0.5.21).
+    """
+    from sglang.kernels.ops.speculative import spec_tree
+
+    if hasattr(spec_tree, "_is_xpu"):
+        return spec_tree
+    from sglang.srt.speculative import eagle_utils
+
+    return eagle_utils

@@ -32,8 +32,9 @@ SHIMS = {
                                 "multi-step draft backend, speculative/draft_utils.py:64, and cannot serve a "
                                 "TARGET_VERIFY batch, torch_native_backend.py:101)",
     "sglang.kernels.ops.speculative.spec_tree._is_xpu": (
-        "module flag of that module only: tree build (sgl_build_tree_kernel_triton) and greedy verify "
-        "(verify_tree_greedy_triton) run SGLang's Triton port shipped for Intel XPU instead of the CUDA-JIT "
+        "module flag of the module that dispatches the tree kernels (spec_tree; sglang.srt.speculative.eagle_utils "
+        "before 0.5.23, compat.tree_dispatch_module) only: tree build (sgl_build_tree_kernel_triton) and greedy "
+        "verify (verify_tree_greedy_triton) run SGLang's Triton port shipped for Intel XPU instead of the CUDA-JIT "
         "kernels, which are absent here: same operation and arguments, a different kernel"),
     "sglang.kernels.ops.speculative.cache_locs._is_xpu": (
         "module flag of that module only: verify's cache-location assignment (assign_extend_cache_locs[_uniform]) "
@@ -58,13 +59,15 @@ def apply_shims() -> dict[str, str]:
         raise RuntimeError("TRITON_INTERPRET=1 must be in the scheduler's environment before triton is imported")
     from sglang.kernels.ops.speculative import cache_locs, spec_tree
 
+    from conformance.adapters.sglang import compat
     from conformance.adapters.sglang.runtime import cpu_runtime_adjustments
 
     done = {"TRITON_INTERPRET=1": "interpreter on"}
     done.update({k: f"{a} -> {b}" for k, (a, b) in cpu_runtime_adjustments().items()})
-    for module in (spec_tree, cache_locs):
+    for name, module in ((f"{spec_tree.__name__}._is_xpu", compat.tree_dispatch_module()),
+                         (f"{cache_locs.__name__}._is_xpu", cache_locs)):
         before, module._is_xpu = module._is_xpu, True
-        done[f"{module.__name__}._is_xpu"] = f"{before} -> True"
+        done[name] = f"{before} -> True" + ("" if module.__name__ in name else f" (in {module.__name__})")
     torch.compiler.set_stance("force_eager")
     done["torch.compiler.set_stance"] = "default -> force_eager"
     return done

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from conformance.adapters.sglang import compat
 from conformance.core.common import first_line
 from conformance.core.registry import Known, applicable
 from reference.eagle3 import Eagle3Config
@@ -159,7 +160,7 @@ def resolve(command_line: str, target_dir: Path, draft_dir: Path):
     ServerArgs.add_cli_args(parser)
     argv = ["--model-path", str(target_dir), "--speculative-draft-model-path", str(draft_dir), *HOST_ARGS, *user]
     server_args = ServerArgs.from_cli_args(parser.parse_args(argv))
-    requested = {k: getattr(server_args, k) for k in SHOWN}
+    requested = {k: compat.server_arg(server_args, k) for k in SHOWN}
     warnings: list[str] = []
     with _sglang_warnings(warnings), _environ_restored():
         try:
@@ -168,7 +169,7 @@ def resolve(command_line: str, target_dir: Path, draft_dir: Path):
             first = first_line(exc)
             raise CommandLineError(f"--sglang-args: SGLang refuses {command_line!r}: {first}") from None
     resolved = server_args.resolved_dict()
-    return requested, {k: resolved[k] for k in SHOWN}, warnings
+    return requested, {k: resolved.get(k) for k in SHOWN}, warnings
 
 
 def effective_settings(command_line: str, target_dir: Path, draft_dir: Path, facts: DraftFacts) -> EffectiveSettings:

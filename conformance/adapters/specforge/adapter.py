@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from pathlib import Path
 from typing import ClassVar
 
@@ -64,6 +65,7 @@ class SpecForgeAdapter:
     name: ClassVar[str] = "specforge"
     package: ClassVar[str | None] = "specforge"
     releases: ClassVar[tuple[str, ...]] = ("0.2.0",)
+    lane: ClassVar[str] = "cpu"   # in-process in the project's environment: the default lane
     checkpoint_format: ClassVar[str] = "specforge"
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST) - NOT_OBSERVABLE
     draft_group: ClassVar[int | None] = 4   # its attention is dense over [B, S] padded rows
@@ -83,13 +85,17 @@ class SpecForgeAdapter:
         return True   # project_hidden_states always applies fc (llama3_eagle.py:1762-1769)
 
     def dense_attention(self, device: str) -> bool:
-        return True   # hand-written matmul + additive mask over every padded row, on every device (llama3_eagle.py:741-760)
+        # a hand-written matmul + additive mask over every padded row, on every device (llama3_eagle.py:741-760)
+        return True
 
     def load(self, ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = None,
              device: str = "cpu") -> "LoadedSpecForge":
-        # Imported here: SpecForge takes seconds to import and only this adapter needs it.
-        from specforge.modeling.auto import AutoDraftModel
-        from specforge.training.model_loading import load_draft_config_source, warm_start_draft_model
+        # Imported here: SpecForge takes seconds to import and only this adapter needs it. Its draft module
+        # warns at import that flash_attn is absent (llama3_eagle.py:33); the sdpa backend used here needs none.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flash_attn is not found")
+            from specforge.modeling.auto import AutoDraftModel
+            from specforge.training.model_loading import load_draft_config_source, warm_start_draft_model
 
         ckpt_dir = Path(ckpt_dir)
         draft_config = load_draft_config_source(str(ckpt_dir))

@@ -17,6 +17,7 @@ import builtins
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import weakref
@@ -44,7 +45,7 @@ TIMED = ("worker round trip: draft step 0 over every token of each request",
 
 
 def venv() -> Path:
-    return Path(os.environ.get(VENV_VARIABLE) or ROOT / ".venv-vllm")
+    return Path(os.environ.get(VENV_VARIABLE) or ROOT / ".venv-vllm").absolute()   # the worker runs elsewhere
 
 
 def venv_python() -> Path:
@@ -124,6 +125,8 @@ class Worker:
                 self.proc.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class VLLMAdapter:
@@ -174,6 +177,12 @@ class VLLMAdapter:
         answer = worker.ask("load", ckpt=str(Path(ckpt_dir).resolve()), dtype=DTYPE_NAMES[dtype],
                             work=str(worker.scratch()), steps=8)
         return LoadedVLLM(worker, answer, dtype)
+
+    def served_boundaries(self, draft_dir: Path, target_config: Path, num_layers: int) -> dict:
+        """The target boundaries vLLM feeds the draft for this config (wiring.py: read by vLLM's own code)."""
+        from conformance.adapters.vllm.wiring import served_boundaries
+
+        return served_boundaries(draft_dir, target_config, num_layers)
 
     def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None):
         raise NotImplementedError("vllm: weight accounting is not wired for the vLLM worker")

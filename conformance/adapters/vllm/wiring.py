@@ -1,0 +1,53 @@
+"""vLLM as a serving side of the target wiring: which target boundaries vLLM feeds a draft, read by vLLM's
+own code in the worker (worker.py aux_layers: its config readers, its model runner's id selection, the
+target's default list).
+
+The ids become boundaries by vLLM's capture convention, the same in every target class the suite's wiring
+covers: id i is the residual stream entering decoder layer i (0: the embedding output, N: the last layer's
+output before the final norm), captured in forward order, each boundary once:
+- Llama / Qwen3 / gpt-oss: `_maybe_add_hidden_state(aux, start_layer, ...)` before the first layer and
+  `(aux, idx + 1, ...)` after layer idx (model_executor/models/llama.py:427-441, qwen2.py:424-432,
+  gpt_oss.py:526-532; interfaces.py:1640-1650 appends `hidden_states + residual` when the id is listed);
+- DeepSeek-V2/V3 (and Kimi-K2.5, which delegates to it, kimi_k25.py:470-474): before layer idx when idx
+  is listed, and after the last layer for N (deepseek_v2.py:1561-1568, :1586-1587); before layer 0 the
+  residual is None, so id 0 raises (`hidden_states + residual`).
+No target forward runs here (vLLM's target classes need its compiled ops or a GPU): the served list is
+derived from the ids, as the SGLang side does for classes whose forward cannot run on a CPU host.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from conformance.adapters.vllm.adapter import Worker
+
+# Target classes (architectures[0] of the target config) whose capture fails at boundary 0: the residual
+# is None before the first layer (deepseek_v2.py:1561-1562).
+NO_EMBEDDING_CAPTURE = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK25ForConditionalGeneration")
+
+
+def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int) -> dict:
+    """What vLLM reads from `draft_dir`/config.json and which boundaries 0..num_layers it then feeds the draft.
+
+    Returns {"read": readable, "ids": the ids its runner passes (None: the target's default), "served":
+    boundaries in slot order, "error": one line when vLLM refuses the config or the capture fails}."""
+    import json
+
+    worker = Worker.get()
+    try:
+        answer = worker.ask("aux_layers", draft=str(Path(draft_dir).resolve()),
+                            target=str(Path(target_config).resolve()), work=str(worker.scratch()))
+    except Exception as exc:   # vLLM refused the draft or target config: its own words, one line
+        return {"read": "nothing", "ids": None, "served": None, "error": f"{type(exc).__name__}: {exc}",
+                "reading": {}}
+    ids = answer["ids"]
+    used = tuple(ids) if ids is not None else tuple(answer["default"])
+    read = (f"ids {list(ids)} (eagle_aux_hidden_state_layer_ids, top level or eagle_config, as written)"
+            if ids is not None else f"no ids: the target's default {list(answer['default'])}")
+    served = tuple(b for b in sorted(set(used)) if 0 <= b <= num_layers)
+    architecture = (json.loads(Path(target_config).read_text()).get("architectures") or [""])[0]
+    error = ""
+    if 0 in served and architecture in NO_EMBEDDING_CAPTURE:
+        error = ("target forward: id 0 adds a None residual before the first layer (deepseek_v2.py:1561-1562): "
+                 "TypeError")
+        served = None
+    return {"read": read, "ids": ids, "served": served, "error": error, "reading": answer["reading"]}
