@@ -107,13 +107,15 @@ USER_ENV ?= .venv-user
 USER_SGLANG ?= 0.5.22
 USER_SPECULATORS ?= 0.9.0
 USER_PIP = $(USER_ENV)/bin/python -m pip install --quiet --disable-pip-version-check
+# The lock's tools of this repository's own runs, neither a serving dependency nor a need of the suite.
+DEV_TOOLS = ruff|pytest-xdist|execnet
 .PHONY: user-env-check
 user-env-check:
 	@set -e; t0=$$(date +%s); rm -rf $(USER_ENV); $(PYTHON) -m venv $(USER_ENV); \
 	echo "serving environment: torch, sglang==$(USER_SGLANG), speculators==$(USER_SPECULATORS) and their dependencies"; \
 	$(USER_PIP) torch==$$(sed -n 's/^torch==//p' requirements.lock); \
 	$(USER_PIP) --no-deps sglang==$(USER_SGLANG) speculators==$(USER_SPECULATORS); \
-	grep -vxFf requirements-suite.txt requirements.lock | grep -vE '^(torch|sglang|speculators|ruff)==' \
+	grep -vxFf requirements-suite.txt requirements.lock | grep -vE '^(torch|sglang|speculators|$(DEV_TOOLS))==' \
 		> $(USER_ENV)/serving-dependencies.txt; \
 	$(USER_PIP) --no-deps -r $(USER_ENV)/serving-dependencies.txt $(addprefix -r ,$(wildcard requirements-sglang-$(USER_SGLANG).lock)); \
 	t1=$$(date +%s); s1=$$(du -sm $(USER_ENV) | cut -f1); \
@@ -145,4 +147,4 @@ $(VLLM_VENV)/.installed: requirements-vllm.lock
 venv-vllm: $(VLLM_VENV)/.installed
 
 vllm: venv venv-vllm
-	VLLM_VENV=$(VLLM_VENV) $(PYTEST) -m vllm --report $(REPORT)/vllm
+	VLLM_VENV=$(VLLM_VENV) $(PYTEST) -m vllm --report=$(REPORT)/vllm

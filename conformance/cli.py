@@ -5,8 +5,9 @@
 
 runs exactly the checks of `make check DRAFT=...` (the root Makefile), against the implementations installed
 next to it, and exits as it does: 0 served as trained, 1 not, 4 bad input. The verdict names the versions
-that ran. First, every implementation the verdict drives must be installed, at a release inside the range
-its adapter is tested against (`releases`): otherwise one line and exit 4, before anything imports it.
+that ran. First, the suite's own needs (requirements-suite.txt) and every implementation the verdict drives
+must be installed, each implementation at a release inside the range its adapter is tested against
+(`releases`): otherwise one line and exit 4, before any of them is imported.
 """
 from __future__ import annotations
 
@@ -52,11 +53,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    top = _Parser(prog=PROG, description=__doc__.splitlines()[0].strip("`: "))
+    top = _Parser(prog=PROG, description="The suite installed into your own serving environment.")
     commands = top.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="one verdict on your draft: will your SGLang serve it as trained?",
                                 description="The checks of `make check` on your draft, against the implementations "
-                                            "installed here. Exit 0 served as trained, 1 not, 4 bad input.")
+                                            "installed here. Exit 0 served as trained, 1 not, 4 bad input.",
+                                epilog="Arguments after `--` go to pytest as they are. An implementation that is "
+                                       "missing, or outside the releases the suite is tested against, is one line "
+                                       "and exit 4.")
     check.add_argument("draft", metavar="DRAFT", help="the draft's directory (config.json and weights)")
     for flag, _, metavar, help_text in OPTIONS:
         check.add_argument(flag, metavar=metavar, default=None, help=help_text)
@@ -81,8 +85,7 @@ def joined(argv: list[str]) -> list[str]:
 
 
 def pytest_args(args: argparse.Namespace, extra: list[str] = ()) -> list[str]:
-    """The arguments of `make check`'s pytest command for these options (the `=` form throughout, so that
-    a path outside the package never counts as a place to look for the configuration)."""
+    """The arguments of `make check`'s pytest command for these options, then `extra` (what followed `--`)."""
     out = ["-q", f"--draft-checkpoint={args.draft}"]
     for flag, option, _, _ in OPTIONS:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
@@ -102,7 +105,8 @@ def suite_args() -> list[str]:
 
 
 def refusal() -> str | None:
-    """One line when an implementation of the default lane is missing or outside its adapter's releases, else None."""
+    """One line when a need of the suite is missing, or an implementation of the default lane is missing or
+    outside its adapter's releases; else None."""
     missing = [name for name in SUITE_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         return f"{PROG}: the suite's own needs are not installed: {', '.join(missing)} ({SUITE_NEEDS})"

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from importlib import metadata
+from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
@@ -191,6 +193,26 @@ def test_the_suite_needs_are_pinned_as_in_the_lock():
     assert {n: (v, lock.get(n)) for n, v in suite.items() if lock.get(n) != v} == {}
     # A serving environment holds these already: the checks are about the ones it has.
     assert not {"torch", "sglang", "speculators"} & set(suite)
+
+
+def test_the_suite_needs_are_what_a_serving_environment_lacks():
+    """requirements-suite.txt is the lock less what torch, sglang and speculators bring (their declared
+    dependencies, walked in this environment's metadata) and less the Makefile's DEV_TOOLS (ruff, ...)."""
+    lock, suite = pins(ROOT / "requirements.lock"), pins(ROOT / "requirements-suite.txt")
+    seen, todo = set(), [(name, frozenset()) for name in ("torch", "sglang", "speculators")]
+    while todo:   # (distribution, the extras asked of it: torch asks cuda-toolkit for its NVIDIA libraries)
+        name, extras = todo.pop()
+        if (canonicalize_name(name), extras) in seen:
+            continue
+        seen.add((canonicalize_name(name), extras))
+        for line in metadata.requires(name) or []:
+            requirement = Requirement(line)
+            if canonicalize_name(requirement.name) in lock and (requirement.marker is None or any(
+                    requirement.marker.evaluate({"extra": extra}) for extra in ("", *extras))):
+                todo.append((requirement.name, frozenset(requirement.extras)))
+    brought = {name for name, _ in seen}
+    tools = re.search(r"^DEV_TOOLS = (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split("|")
+    assert set(suite) == set(lock) - brought - {canonicalize_name(t) for t in tools}
 
 
 def test_every_data_file_of_the_packages_is_in_the_wheel():

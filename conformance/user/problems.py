@@ -47,6 +47,11 @@ FIXES = {
     "speculators-never-ties-lm-head":
         "tie_word_embeddings false, with lm_head.weight stored (a copy of embed_tokens.weight): "
         "speculators 0.9.0 never ties",
+    "specforge-requires-vocab-mapping":
+        "store the identity vocabulary map SpecForge builds for a full vocabulary: d2t (int64 zeros, "
+        "{draft_vocab_size}) and t2d (bool ones, {vocab_size})",
+    "specforge-yarn-without-beta-and-mscale":
+        "write the yarn defaults into rope_scaling: beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 0",
 }
 UNKNOWN_FIX = "none known: not a registered divergence; report it with report.json"
 

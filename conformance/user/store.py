@@ -112,9 +112,14 @@ class UserDraftStore(DraftStore):
                 self.eagle_ids = served_ids(self.inputs.trainer, self.inputs.target_file, self.root / "twins")
                 write_served_ids(dirs["sglang"], self.eagle_ids[0])
             # SpecForge reads its own directory as written (its names, its norm_output); any other format
-            # as this suite writes SpecForge's, when SpecForge can express it (else its adapter skips).
+            # as this suite writes SpecForge's, when SpecForge can express it (else its adapter skips). Only
+            # for a draft SpecForge trained: no other runs it (trainer.other_trainers).
+            run_formats = {a.checkpoint_format for impl, a in ADAPTERS.items()
+                           if impl not in other_trainers(self.inputs.trainer)}
             specforge_dir = root / "specforge"
-            if src.format == "specforge" and linkable:
+            if "specforge" not in run_formats:
+                pass
+            elif src.format == "specforge" and linkable:
                 dirs["specforge"] = _linked(src.path, specforge_dir)
             elif src.format == "specforge":
                 specforge_dir.mkdir(parents=True, exist_ok=True)

@@ -38,8 +38,8 @@ def publish_scheduler(server_args) -> None:
 
     0.5.21-0.5.23: `publish(..., ranks=SpawnRanks(world_rank=0))`: the launcher hands the ranks
     to publish (runtime_context.py:230-242, 1489-1495).
-    0.5.20: no SpawnRanks, `publish(server_args, *, role, hf_config=None)` (runtime_context.py:1571
-    there); the ranks come from the model-parallel groups initialised afterwards, as in its launcher.
+    0.5.20: no SpawnRanks; `publish(server_args, *, role, hf_config=None)` takes no ranks
+    (runtime_context.py:1571 there): a world of one needs nothing more.
     """
     from sglang.srt import runtime_context as rc
 

@@ -28,6 +28,7 @@ from conformance.adapters.base import (Drafter, TimedPass, Trace, Unsupported, b
                                       last_rows)
 from conformance.adapters.specforge.recorder import Recorder
 from conformance.adapters.specforge.shims import EAGER_NOTE, LOSS_NOTE, eager, torch_loss
+from conformance.checkpoints.formats.specforge import inexpressible
 from conformance.core import stages
 from conformance.loading.accounting import Accounting, checkpoint_tensors, finite, observed_knobs, rope_text, vocab_map
 from reference.eagle3 import DraftBatch, Eagle3Config
@@ -41,24 +42,6 @@ ATTENTION = "sdpa"   # the training CLI's default backend (config/schema.py); st
 # What a benchmark times, per step (training has no decode pass: step 1 is a TTT step over all rows).
 TIMED = ("OnlineEagle3Model.forward(length=1): fc + TTT step 0 over B padded rows",
          "TTT step 1 over B padded rows = forward(length=2) - forward(length=1) (training has no decode pass)")
-
-# Why a config is out of SpecForge's reach: (knob, what it must be, why). SpecForge's draft is one
-# Llama-shaped midlayer on exactly 3 aux states, without these knobs.
-CANNOT_EXPRESS = (
-    ("num_hidden_layers", 1, "one midlayer only (algorithms/eagle3/providers.py fixed_override_values)"),
-    ("num_aux_hidden_states", 3, "fc is target_hidden_size * 3 wide and project_hidden_states chunks by 3 "
-                                 "(llama3_eagle.py:1675-1679, 1763-1765)"),
-    ("norm_before_fc", False, "no input norm over the aux states (llama3_eagle.py:1670-1686)"),
-    ("norm_before_residual", False, "the residual is always the raw hidden (llama3_eagle.py:1625)"),
-    ("norm_output", False, "the hidden fed back is always the pre-norm layer output (model.py:397); its own "
-                           "norm_output means 'final norm before lm_head' (llama3_eagle.py:1690, 1773)"),
-    ("attention_bias", False, "q/k/v/o are nn.Linear(bias=False) (llama3_eagle.py:555-566)"),
-    ("mlp_bias", False, "gate/up/down are nn.Linear(bias=False) (llama3_eagle.py:1513-1515)"),
-    ("sliding_window", None, "its draft attention has no window (llama3_eagle.py:700-760)"),
-    ("tie_word_embeddings", False, "forced false when the config is read (modeling/auto.py:90-92)"),
-    ("draft_arch", "llama", "its draft layer is Llama-shaped, no q_norm/k_norm (llama3_eagle.py:1594-1612)"),
-    ("partial_rotary_factor", 1, "its rotary turns the whole head (llama3_eagle.py:133-142)"),
-)
 
 
 class SpecForgeAdapter:
@@ -77,8 +60,8 @@ class SpecForgeAdapter:
         return installed_version(cls.package)
 
     def unsupported(self, cfg: Eagle3Config) -> str | None:
-        reasons = [f"{knob}={getattr(cfg, knob)!r}: {why}" for knob, value, why in CANNOT_EXPRESS
-                   if getattr(cfg, knob) != value]
+        # One table with SpecForge's checkpoint format, which refuses to write the same knobs.
+        reasons = [f"{knob}={getattr(cfg, knob)!r}: {why}" for knob, why in inexpressible(cfg).items()]
         return "SpecForge 0.2.0 cannot express " + "; ".join(reasons) if reasons else None
 
     def fc_runs(self, cfg: Eagle3Config) -> bool:

@@ -195,7 +195,8 @@ class LoadedVLLM:
         self.reading = answer["reading"]           # what vLLM read from the draft config (its hf_config)
         weakref.finalize(self, _drop, worker, self.handle)
 
-    def run(self, batch: DraftBatch, steps: int = 1, record: bool = True) -> Trace:
+    def run(self, batch: DraftBatch, steps: int = 1, record: bool = True, plant: str | None = None) -> Trace:
+        """`plant`: a harness fault of worker.PLANTS, for the meta tests only."""
         job = self.worker.scratch()
         tensors = {"aux": batch.aux, "input_ids": batch.input_ids, "positions": batch.positions,
                    "seq_ids": batch.seq_ids}
@@ -204,7 +205,8 @@ class LoadedVLLM:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(job / "batch.safetensors"))
         meta = {"cached_prefix": list(batch.cached_prefix) if batch.cached_prefix else None}
         answer = self.worker.ask("run", handle=self.handle, batch=str(job / "batch.safetensors"),
-                                 out=str(job / "trace.safetensors"), steps=steps, record=record, meta=meta)
+                                 out=str(job / "trace.safetensors"), steps=steps, record=record, meta=meta,
+                                 plant=plant)
         flat = load_file(str(job / "trace.safetensors"))
         trace_steps: list[dict] = [{} for _ in range(steps)]
         for key, value in flat.items():

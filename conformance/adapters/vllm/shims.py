@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 APPLIED: list[str] = []   # what was installed in this process, for the trace notes
+SLOT_SHIFT = 0            # a planted fault for the meta tests only (worker.py PLANTS): write each row one slot on
 
 
 def needed() -> bool:
@@ -54,7 +55,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     block_size = key_cache.shape[1]
     n = slot_mapping.shape[0]
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
+    slots = slot_mapping[valid].long() + SLOT_SHIFT
     blocks, offsets = slots // block_size, slots % block_size
     key_cache[blocks, offsets] = key[:n][valid].to(key_cache.dtype)
     value_cache[blocks, offsets] = value[:n][valid].to(value_cache.dtype)

@@ -47,6 +47,8 @@ TARGET_LAYERS = 8          # the tiny target's depth; aux ids (2, 4, 5) are inpu
 BLOCK_SIZE = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 STATE: dict = {"loaded": {}, "next": 0, "distributed": False}
+# Harness faults the meta tests plant (conformance/meta/test_vllm_worker.py) to show the comparison catches them.
+PLANTS = ("kv_write_next_slot", "null_block")
 
 
 def first_line(exc: BaseException) -> str:
@@ -313,6 +315,10 @@ def run(req: dict) -> dict:
     seen with the suite's window cases): torch._dynamo.reset() drops the compiled frames, so the next call
     compiles for the static shapes it sees. The same vLLM code runs; the trace notes say when this happened.
     """
+    plant = req.get("plant")
+    if plant is not None and plant not in PLANTS:
+        raise ValueError(f"unknown plant {plant!r}: {PLANTS}")
+    shims.SLOT_SHIFT = 1 if plant == "kv_write_next_slot" else 0
     try:
         return _run(req)
     except Exception as exc:
@@ -323,6 +329,8 @@ def run(req: dict) -> dict:
         answer["notes"].append(f"torch Inductor codegen failed ({first_line(exc)}); recompiled from an empty "
                                "dynamo cache (torch._dynamo.reset()) and ran again")
         return answer
+    finally:
+        shims.SLOT_SHIFT = 0
 
 
 def _run(req: dict) -> dict:
@@ -346,13 +354,13 @@ def _run(req: dict) -> dict:
         raise ValueError(f"cached_prefix {prefix} must leave at least one token of each sequence {lengths}")
 
     # Blocks: each request owns enough for its tokens and the draft steps; block 0 is the null block.
-    specs = kv_cache(loaded, 1)
-    block_size = specs[0].block_size
+    block_size = loaded.attn[0].get_kv_cache_spec(cfg).block_size
     per_req = (max(lengths) + steps + block_size - 1) // block_size
     num_blocks = 1 + B * per_req
     specs = kv_cache(loaded, num_blocks)
     cfg.cache_config.num_gpu_blocks = num_blocks   # set by the engine after profiling
-    block_table = (1 + torch.arange(B * per_req).reshape(B, per_req)).int()
+    first_block = 0 if req.get("plant") == "null_block" else 1   # planted: requests own vLLM's null block 0
+    block_table = (first_block + torch.arange(B * per_req).reshape(B, per_req)).int()
     builders = [loaded.backend.get_builder_cls()(spec, [name], cfg, torch.device("cpu"))
                 for spec, name in zip(specs, loaded.layer_names)]
 

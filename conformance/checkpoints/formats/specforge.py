@@ -15,19 +15,23 @@ from conformance.checkpoints.schema import stored_name as _stored_name
 from reference.eagle3 import Eagle3Config
 
 NAME = "specforge"
-# Knobs SpecForge's EAGLE-3 draft does not have (semantics §1.2, §3.3): knob -> why.
+# Knobs SpecForge's EAGLE-3 draft (0.2.0) does not have (semantics §1.2, §3.3): knob -> why. The same table
+# decides what the SpecForge adapter skips (conformance/adapters/specforge: `unsupported`).
 CANNOT_EXPRESS = {
-    "norm_before_fc": "SpecForge's EAGLE-3 draft has no input_norm",
-    "norm_before_residual": "only P-EAGLE has it (peagle.py:101-130)",
-    "norm_output": "SpecForge always feeds the pre-norm hidden back (model.py:397)",
-    "attention_bias": "SpecForge's attention has no biases (llama3_eagle.py:547-566)",
-    "mlp_bias": "SpecForge's MLP has no biases",
-    "num_hidden_layers": "SpecForge's draft has exactly one layer, midlayer (providers.py:128-131)",
-    "num_aux_hidden_states": "SpecForge's fc is 3 * target_hidden_size wide (llama3_eagle.py:1670-1678)",
-    "sliding_window": "SpecForge's draft attention has no window",
-    "tie_word_embeddings": "SpecForge forces it false (modeling/auto.py:90-92)",
-    "draft_arch": "SpecForge's EAGLE-3 draft layer is Llama-shaped, without q_norm/k_norm (llama3_eagle.py)",
-    "partial_rotary_factor": "SpecForge's own RoPE turns the whole head (llama3_eagle.py:569-652)",
+    "norm_before_fc": "no input norm over the aux states (llama3_eagle.py:1674-1686)",
+    "norm_before_residual": "the residual is always the raw hidden (llama3_eagle.py:1625); only P-EAGLE has "
+                            "the knob (peagle.py:97-130)",
+    "norm_output": "the hidden fed back is always the pre-norm layer output (model.py:397); its own norm_output "
+                   "means 'final norm before lm_head' (llama3_eagle.py:1690, 1773)",
+    "attention_bias": "q/k/v/o are nn.Linear(bias=False) (llama3_eagle.py:555-566)",
+    "mlp_bias": "gate/up/down are nn.Linear(bias=False) (llama3_eagle.py:1513-1515)",
+    "num_hidden_layers": "one midlayer only (algorithms/eagle3/providers.py:131 fixed_override_values)",
+    "num_aux_hidden_states": "fc is target_hidden_size * 3 wide and project_hidden_states chunks by 3 "
+                             "(llama3_eagle.py:1674-1678, 1762-1769)",
+    "sliding_window": "its draft attention has no window (llama3_eagle.py:700-760)",
+    "tie_word_embeddings": "forced false when the config is read (modeling/auto.py:90-92)",
+    "draft_arch": "its draft layer is Llama-shaped, without q_norm/k_norm (llama3_eagle.py:1570-1595)",
+    "partial_rotary_factor": "its rotary turns the whole head (llama3_eagle.py:133-142)",
 }
 # Knobs whose non-default value SpecForge cannot have, with their config.json field.
 UNTRAINED = {"draft_arch": ("model_type", "llama"), "partial_rotary_factor": ("partial_rotary_factor", 1)}
@@ -59,13 +63,17 @@ def stored_name(name: str) -> str:
     return _stored_name(name, midlayer=True)
 
 
-def config_json(cfg: Eagle3Config) -> dict:
+def inexpressible(cfg: Eagle3Config) -> dict[str, str]:
+    """knob -> why, for every knob of `cfg` SpecForge's draft cannot have (empty: it can express `cfg`)."""
     differs = {"num_hidden_layers": cfg.num_hidden_layers != 1, "num_aux_hidden_states": cfg.num_aux_hidden_states != 3,
                "sliding_window": cfg.sliding_window is not None,
                **{knob: getattr(cfg, knob) != default for knob, (_, default) in UNTRAINED.items()}}
-    for knob, reason in CANNOT_EXPRESS.items():
-        if differs.get(knob, getattr(cfg, knob)):
-            raise ConversionError(f"specforge format cannot express {knob}={getattr(cfg, knob)!r}: {reason}")
+    return {knob: reason for knob, reason in CANNOT_EXPRESS.items() if differs.get(knob, getattr(cfg, knob))}
+
+
+def config_json(cfg: Eagle3Config) -> dict:
+    for knob, reason in inexpressible(cfg).items():
+        raise ConversionError(f"specforge format cannot express {knob}={getattr(cfg, knob)!r}: {reason}")
     out = sglang.config_json(cfg)
     # SpecForge itself exports no eagle_config, so custom aux ids are lost at serve time (§3.3, R21);
     # this writer keeps them where SGLang reads them, as a correct export would.
