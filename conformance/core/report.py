@@ -1,4 +1,4 @@
-"""The conformance report: one session-wide Report (conftest.py) that tests add to, as data.
+"""The conformance report: one session-wide Report (conformance/plugin.py) that tests add to, as data.
 
 `Report.to_json()` is the one path: report.json is that data, and report.md, the chart and the
 terminal summary are rendered from it (conformance/core/report_render.py). Files are written

@@ -104,22 +104,25 @@ def tree_rows() -> list[dict]:
 
 
 def wiring_rows() -> list[dict]:
-    """Per SGLang target class and draft config format: the training conventions it serves as trained,
-    and the registered mismatch of each other one."""
-    from conformance.wiring.cases import known_wiring, wiring_matrix
+    """Per target class and draft config format, for each server (SGLang, and every other serving adapter):
+    the training conventions it serves as trained, and the registered mismatch of each other one."""
+    from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
+    from conformance.wiring.cases import wiring_matrix, wiring_names
     from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS
 
-    def cells(_impl) -> dict[tuple[str, str], str]:
+    def cells(impl) -> dict[tuple[str, str], str]:
         rows: dict[tuple[str, str], dict[str, list[str]]] = {}
         for target, case, fmt in wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS):
-            known = known_wiring(target, case, fmt)
+            known = registry.applicable("wiring", impl, wiring_names(target, case, fmt))
             key = "safe" if not known else f"{known[0].kind} ({known[0].id})"
             rows.setdefault((target.id, fmt), {}).setdefault(key, []).append(case.id)
         return {where: "; ".join(f"{key}: {', '.join(cases)}"
                                  for key, cases in sorted(by_key.items(), key=lambda kv: kv[0] != "safe"))
                 for where, by_key in rows.items()}
 
-    per_column = per_release(cells, "sglang")
+    per_column = {}
+    for impl in (i for i in ALL_IMPLEMENTATIONS if ADAPTERS[i].serving_decode):   # the servers
+        per_column.update(per_release(cells, impl))
     return [{"target": t, "config format": f, **{col: by_place[(t, f)] for col, by_place in per_column.items()}}
             for (t, f) in next(iter(per_column.values()))]
 
@@ -141,7 +144,7 @@ def markdown(rows: list[dict]) -> str:
 
 def readme_block() -> str:
     parts = [("Draft forward, loading and weight accounting", draft_rows()), ("Tree drafting", tree_rows()),
-             ("Target wiring: what SGLang feeds the draft, per training case", wiring_rows()),
+             ("Target wiring: what each server feeds the draft, per training case", wiring_rows()),
              ("Server settings SGLang serves differently (flagged by the settings check)", settings_rows())]
     body = "\n\n".join(f"**{title}**\n\n{markdown(rows)}" for title, rows in parts)
     return f"{START}\n{body}\n{END}"

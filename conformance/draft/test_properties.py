@@ -9,7 +9,7 @@ Drawn knobs alone would almost always meet a registered SGLang divergence, after
 compared. So two examples in three are drawn clean: every applicable SGLang entry's `neutral` overrides
 are applied (strategies.variants), and the rest must conform stage by stage. Every other example runs as
 drawn and, when SGLang has entries on it, neutralised as well. Each run is a row of the report's
-"property examples". Profiles (conftest.py): `ci` (default, derandomized), `dev`, `nightly`.
+"property examples". Profiles (conformance/plugin.py): `ci` (default, derandomized), `dev`, `nightly`.
 """
 from __future__ import annotations
 

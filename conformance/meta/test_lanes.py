@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "conformance.yml"
 GPU_SKIP_REASON = "gpu: torch.cuda.is_available() is False"
-# The modules with gpu tests (collecting only them keeps this self-test quick; the gate in conftest.py
+# The modules with gpu tests (collecting only them keeps this self-test quick; the gate in conformance/plugin.py
 # acts on whatever `-m gpu` selects).
 GPU_MODULES = ("conformance/draft/test_gpu.py", "conformance/throughput/test_throughput.py")
 

@@ -294,7 +294,7 @@ ENTRY = 'id="x"\nimpl="sglang"\nversions="==0.5.23"\nreason="r"\n'
 @pytest.mark.parametrize("text,field", [
     ('[[known]]\narea="draft"\n' + ENTRY + 'when="no_such_knob"\nstep=0\nstage="fc_out"\n', "no_such_knob"),
     ('[[known]]\narea="draft"\n' + ENTRY + 'when="__import__(1)"\nstep=0\nstage="fc_out"\n', "Call"),
-    ('[[known]]\narea="draft"\n' + ENTRY.replace('"sglang"', '"no_such_server"') + 'when="mlp_bias"\nstep=0\nstage="fc_out"\n',
+    ('[[known]]\narea="draft"\n' + ENTRY.replace('"sglang"', '"nosuch"') + 'when="mlp_bias"\nstep=0\nstage="fc_out"\n',
      "impl"),
     ('[[known]]\narea="draft"\n' + ENTRY + 'when="mlp_bias"\nstep=0\nstage="fc"\n', "stage"),
     ('[[known]]\narea="draft"\nid="x"\nimpl="sglang"\nreason="r"\nwhen="mlp_bias"\nstep=0\nstage="fc_out"\n',

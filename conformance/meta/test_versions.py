@@ -36,6 +36,12 @@ def test_a_bad_release_is_one_line(spec, says, capsys):
     assert err.startswith("error: RELEASE") and len(err.splitlines()) == 1
 
 
+def test_a_matrix_of_no_known_package_is_one_line(capsys):
+    assert main(["matrix", "--only", "nothing"]) == 4
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --only nothing: no release under test") and len(err.splitlines()) == 1
+
+
 def test_every_adapter_release_is_in_the_matrix_and_in_its_range():
     releases = matrix.under_test()
     for adapter in ADAPTERS.values():

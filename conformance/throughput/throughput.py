@@ -4,7 +4,7 @@ Every figure is compared with the memory-bandwidth roofline measured in the same
 device: the bytes a pass must read at least once (weights it uses + the K/V it attends to) over a
 device copy's bandwidth. pytest-benchmark records each pass in units of that roofline time (a
 `RooflineTimer`), so stored baselines and `--benchmark-compare-fail` gate machine-normalised ratios,
-not seconds. Also a pytest plugin (registered in conftest.py): machine info, the throughput table.
+not seconds. Also a pytest plugin (registered in conformance/plugin.py): machine info, the throughput table.
 """
 from __future__ import annotations
 

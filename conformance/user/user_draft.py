@@ -1,5 +1,5 @@
 """Bring your own draft: the user's checkpoint, training data, hidden states and target config,
-validated up front; the user's case; the pytest options' wiring (called from conftest.py).
+validated up front; the user's case; the pytest options' wiring (called from conformance/plugin.py).
 
 Validation raises one-line CheckpointErrors naming the file and the field (conftest turns them into
 pytest.UsageError: exit code 4), for files no implementation can use: unreadable, non-finite, schema
@@ -191,7 +191,7 @@ def user_case(cfg: Eagle3Config, lengths: tuple[int, ...], summary: str) -> Draf
     return DraftCase(USER_CASE_ID, overrides, lengths, seed=SEED, summary=summary)
 
 
-# ---------------------------------------------------------------- pytest wiring (called from conftest.py)
+# ---------------------------------------------------------------- pytest wiring (called from conformance/plugin.py)
 
 INPUTS_KEY = pytest.StashKey[UserInputs]()
 TARGET_KEY = pytest.StashKey[dict]()

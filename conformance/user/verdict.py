@@ -111,7 +111,7 @@ def focused(config) -> bool:
 
 
 class VerdictPlugin:
-    """Registered by conftest.py's pytest_configure; `report` is the session's Report."""
+    """Registered by conformance/plugin.py's pytest_configure; `report` is the session's Report."""
 
     def __init__(self, config, report):
         self.config, self.report = config, report

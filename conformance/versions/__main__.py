@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         releases = matrix.under_test() if args.command == "matrix" else [matrix.parse(args.release)]
         if args.only:
             releases = [r for r in releases if r.package in args.only.split(",")]
+            if not releases:
+                raise matrix.ReleaseError(f"--only {args.only}: no release under test "
+                                          f"(packages: {', '.join(sorted({r.package for r in matrix.under_test()}))})")
         if args.command == "build":
             print(matrix.build(releases[0], args.python))
             return 0

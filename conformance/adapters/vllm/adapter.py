@@ -137,8 +137,7 @@ class VLLMAdapter:
     # vLLM serves both the speculators and the SGLang format; speculators is the format vLLM's own
     # training project writes and the one its config translator reads (the wiring area reads both).
     checkpoint_format: ClassVar[str] = "speculators"
-    claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST) - {"q_norm",
-                                                                                                    "k_norm"}
+    claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST)
     draft_group: ClassVar[int | None] = None
     serving_decode: ClassVar[bool] = True
     silent_drop: ClassVar[str | None] = ("Eagle3LlamaForCausalLM.load_weights returns no loaded-name set, so "

@@ -230,6 +230,8 @@ class Recorder:
                       (attn.qkv_proj, "qkv"), (attn.rotary_emb, "rotary"), (attn.attn, "attn"),
                       (attn.o_proj, "o_proj"), (layer.post_attention_layernorm, "post_attention_layernorm"),
                       (layer.mlp, "mlp")]
+            # Qwen3 draft layers: per-head RMSNorm of q and k before RoPE (model_executor/models/qwen3.py:163-169)
+            hooks += [(getattr(attn, n), n) for n in ("q_norm", "k_norm") if getattr(attn, n, None) is not None]
             self.handles.append(attn.qkv_proj.register_forward_pre_hook(keep_in("qkv_in", lambda a, k: a[0]),
                                                                         with_kwargs=True))
             # The residual the attention output is added to: what the fused add-norm receives.
@@ -283,6 +285,9 @@ def canonical(loaded: Loaded, seen: dict, ids, hidden_fed, aux_out) -> dict:
         s[p + "attn_in"] = seen[f"{i}.qkv_in"]
         q, k, v = first(seen[f"{i}.qkv"]).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         s[p + "q"], s[p + "k"], s[p + "v"] = q.reshape(T, nh, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hd)
+        for name, heads in (("q_norm", nh), ("k_norm", nkv)):
+            if f"{i}.{name}" in seen:
+                s[p + name] = seen[f"{i}.{name}"].reshape(T, heads, hd)
         q_rot, k_rot = seen[f"{i}.rotary"]
         s[p + "q_rot"], s[p + "k_rot"] = q_rot.reshape(T, nh, hd), k_rot.reshape(T, nkv, hd)
         s[p + "attn_core"] = seen[f"{i}.attn"].reshape(T, nh * hd)
