@@ -24,8 +24,8 @@ from conformance.user.plan import FULL, STEPS, plan_for
 from conformance.user.problems import accounting_problems, forward_problem, load_problem
 from conformance.user.serving import served_with
 from conformance.user.servable import conversion_findings, conversion_problem, directory_problem
-from conformance.user.trainer import other_trainers
-from conformance.user.user_draft import INPUTS_KEY
+from conformance.user.trainer import FORMAT_TRAINER, other_trainers
+from conformance.user.user_draft import FIXTURE_FORMAT, INPUTS_KEY
 from conformance.user.verdict import Problem
 
 pytestmark = [pytest.mark.cpu, pytest.mark.user]
@@ -50,7 +50,8 @@ def user_implementations(inputs, config=None) -> list[str]:
     """The implementations a user's draft runs: its own trainer's (conformance/user/trainer.py) and the servers
     --serve-with names (conformance/user/serving.py)."""
     chosen = served_with(config)
-    return [impl for impl in ALL_IMPLEMENTATIONS if impl not in other_trainers(inputs.trainer if inputs else None)
+    others = other_trainers(inputs.trainer) if inputs else other_trainers(None, FORMAT_TRAINER[FIXTURE_FORMAT])
+    return [impl for impl in ALL_IMPLEMENTATIONS if impl not in others
             and (not ADAPTERS[impl].serving_decode or impl in chosen)]
 
 

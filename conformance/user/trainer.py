@@ -48,9 +48,10 @@ TRAINER_ADAPTER = {"speculators": "speculators", "specforge": "specforge"}
 DEFAULT_TRAINER = "speculators"
 
 
-def other_trainers(trainer: "Trainer | None") -> frozenset[str]:
-    """The training adapters that do not run on a draft trained by `trainer`."""
-    name = trainer.name if trainer is not None and trainer.name in TRAINER_ADAPTER else DEFAULT_TRAINER
+def other_trainers(trainer: "Trainer | None", name: str | None = None) -> frozenset[str]:
+    """The training adapters that do not run on a draft trained by `trainer` (or the trainer named `name`)."""
+    name = trainer.name if trainer is not None else name
+    name = name if name in TRAINER_ADAPTER else DEFAULT_TRAINER
     return frozenset(adapter for who, adapter in TRAINER_ADAPTER.items() if who != name)
 
 
