@@ -25,6 +25,7 @@ class ReferenceAdapter:
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST)
     draft_group: ClassVar[int | None] = 4   # its attention is dense over the packed batch: small groups are faster
     serving_decode: ClassVar[bool] = False
+    lane: ClassVar[str] = "cpu"   # in-process in the project's environment: the default lane
     releases: ClassVar[tuple[str, ...]] = ()   # not a package: nothing to test it against
     silent_drop: ClassVar[str | None] = "the reference's forward never reads it (reference/eagle3.py)"
 

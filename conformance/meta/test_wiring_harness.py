@@ -119,7 +119,7 @@ def test_seed_ids_keep_the_61_layer_pattern():
 def test_every_known_wiring_entry_matches_a_case():
     """A registry entry no case triggers is stale (its strict xfail would never run)."""
     cases = wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS)
-    for entry in (e for e in REGISTRY if e.area == "wiring"):
+    for entry in (e for e in REGISTRY if e.area == "wiring" and e.version_holds()):   # another release: its own run
         assert any(known_wiring(*x)[:1] == (entry,) for x in cases), f"wiring entry decides no case: {entry.describe()}"
 
 

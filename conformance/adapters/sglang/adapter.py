@@ -35,6 +35,7 @@ class SGLangAdapter:
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST)
     draft_group: ClassVar[int | None] = None   # its attention runs per request: grouping gains nothing
     serving_decode: ClassVar[bool] = True
+    lane: ClassVar[str] = "cpu"   # in-process in the project's environment: the default lane
     releases: ClassVar[tuple[str, ...]] = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")   # differences: compat.py
     silent_drop: ClassVar[str | None] = ("load_weights loads a tensor only `if param_name in params_dict` "
                                          "(sglang/srt/models/llama_eagle3.py:363, 373) and skips the rest "

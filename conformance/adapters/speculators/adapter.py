@@ -50,6 +50,7 @@ class SpeculatorsAdapter:
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST) - NOT_OBSERVABLE
     draft_group: ClassVar[int | None] = 8   # its CPU attention materialises scores over the whole packed batch
     serving_decode: ClassVar[bool] = False
+    lane: ClassVar[str] = "cpu"   # in-process in the project's environment: the default lane
     releases: ClassVar[tuple[str, ...]] = ("0.8.0", "0.8.1", "0.9.0")   # the same draft code: no shim needed
     silent_drop: ClassVar[str | None] = None   # its loading is checked tensor by tensor: a drop is a refusal
 

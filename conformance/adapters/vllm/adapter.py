@@ -137,6 +137,7 @@ class VLLMAdapter:
     # vLLM serves both the speculators and the SGLang format; speculators is the format vLLM's own
     # training project writes and the one its config translator reads (the wiring area reads both).
     checkpoint_format: ClassVar[str] = "speculators"
+    other_formats: ClassVar[tuple[str, ...]] = ("sglang",)   # also served: conformance/draft/test_served_formats.py
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST)
     draft_group: ClassVar[int | None] = None
     serving_decode: ClassVar[bool] = True
