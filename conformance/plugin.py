@@ -212,6 +212,13 @@ def pytest_configure(config):
                                        "(--draft-checkpoint runs only these)")
     configure_user_inputs(config)
     config.pluginmanager.register(VerdictPlugin(config, _REPORT), "eagle3-verdict")
+    worker = getattr(config, "workerinput", None)
+    if worker is not None and "OMP_NUM_THREADS" not in os.environ:
+        # A pytest-xdist worker shares the cores with the others: torch's default (one thread per core) in every
+        # worker oversubscribes them, and its threads spin at barriers while another process holds the core.
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(worker["workercount"])))
 
 
 @pytest.fixture(scope="session")
