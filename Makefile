@@ -31,14 +31,17 @@ conformance: venv
 # end and at the top of $(REPORT)/report.md. pytest exits 0 served as trained, 1 not, 4 bad input (make
 # itself exits 2 whenever pytest does not exit 0). Optional: DATA (JSONL samples), HIDDEN (their hidden
 # states), TARGET (the target's config.json), SGLANG_ARGS (the server flags), TRAINER (see --trainer),
-# TRAINED_AUX (the layers training captured, e.g. embed,3,31, when config.json was rewritten for serving).
+# TRAINED_AUX (the layers training captured, e.g. embed,3,31, when config.json was rewritten for serving),
+# SERVE_WITH (the server(s) to check against: sglang, the default, vllm (README "vLLM lane") or both).
 check: $(if $(DRAFT),venv)
 	@test -n "$(DRAFT)" || { echo "usage: make check DRAFT=dir [DATA=file] [HIDDEN=dir] [TARGET=config.json]" \
-		"[SGLANG_ARGS=\"...\"] [TRAINER=speculators|specforge|eagle3] [TRAINED_AUX=embed,3,31]" >&2; exit 4; }
+		"[SGLANG_ARGS=\"...\"] [TRAINER=speculators|specforge|eagle3] [TRAINED_AUX=embed,3,31]" \
+		"[SERVE_WITH=sglang|vllm|both]" >&2; exit 4; }
 	$(PYTEST) -q --draft-checkpoint="$(DRAFT)" $(if $(DATA),--training-data="$(DATA)") \
 		$(if $(HIDDEN),--hidden-states="$(HIDDEN)") $(if $(TARGET),--target-config="$(TARGET)") \
 		$(if $(SGLANG_ARGS),--sglang-args="$(SGLANG_ARGS)") $(if $(TRAINER),--trainer=$(TRAINER)) \
-		$(if $(TRAINED_AUX),--trained-aux-layers=$(TRAINED_AUX)) --report $(REPORT)
+		$(if $(TRAINED_AUX),--trained-aux-layers=$(TRAINED_AUX)) $(if $(SERVE_WITH),--serve-with=$(SERVE_WITH)) \
+		--report $(REPORT)
 
 # The linter: ruff, configured in pyproject.toml.
 lint: venv

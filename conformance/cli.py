@@ -35,6 +35,7 @@ OPTIONS = (
     ("--sglang-args", "--sglang-args", "ARGS", "the server's command line, quoted as one argument"),
     ("--trainer", "--trainer", "NAME", "how the draft was trained: auto (default), speculators, specforge, eagle3"),
     ("--trained-aux-layers", "--trained-aux-layers", "LAYERS", "the layers training captured, e.g. embed,3,31"),
+    ("--serve-with", "--serve-with", "SERVER", "the server(s) to check against: sglang (default), vllm or both"),
 )
 DEFAULT_REPORT = "report"   # make check's REPORT default
 # The implementations checked for here: those of the default lane, imported in this environment. An adapter

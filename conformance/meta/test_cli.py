@@ -33,11 +33,12 @@ pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 ROOT = Path(__file__).resolve().parents[2]
 # The entry point's flag for each of `make check`'s variables (the Makefile's usage line).
 MAKE_VARS = {"--data": "DATA", "--hidden": "HIDDEN", "--target-config": "TARGET", "--sglang-args": "SGLANG_ARGS",
-             "--trainer": "TRAINER", "--trained-aux-layers": "TRAINED_AUX", "--report": "REPORT"}
+             "--trainer": "TRAINER", "--trained-aux-layers": "TRAINED_AUX", "--serve-with": "SERVE_WITH",
+             "--report": "REPORT"}
 # A distinct value per option, so that two swapped options cannot match; one with spaces and dashes.
 VALUES = {"--data": "in/train.jsonl", "--hidden": "in/hidden", "--target-config": "in/target.json",
           "--sglang-args": "--speculative-eagle-topk 1 --speculative-num-steps 3", "--trainer": "speculators",
-          "--trained-aux-layers": "embed,3,31", "--report": "out/report"}
+          "--trained-aux-layers": "embed,3,31", "--serve-with": "both", "--report": "out/report"}
 DRAFT = "in/draft"
 
 
