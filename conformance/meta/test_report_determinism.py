@@ -30,7 +30,9 @@ FILES = ("report.json", "report.md")
 def run_lane(out: Path, hash_seed: str, *parallel: str) -> Path:
     report = out / "report"
     out.mkdir(parents=True)   # pytest creates --basetemp itself, but not its parent
-    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+    # One torch thread in every process: the thread count decides the order of a reduction, so it is part of
+    # the machine (a pytest-xdist worker of the Makefile's lanes gets cores // workers, plugin.py).
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cpu and not meta",
                            f"--basetemp={out / 'tmp'}", f"--report={report}", *parallel, *SELECTION],
                           cwd=ROOT, env=env, capture_output=True, text=True)
