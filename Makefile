@@ -21,7 +21,7 @@ venv: $(VENV)/.installed
 # file's models are built in one process, the engine lane's files stay together, the report is merged into
 # one, identical to a single process's. WORKERS=0 runs in this process only.
 WORKERS ?= 2
-PARALLEL = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
+PARALLEL = $(if $(filter-out 0,$(WORKERS)),-n$(WORKERS) --dist=loadfile)
 
 # The main job: the CPU conformance lane on tiny models generated on the fly, with its report.
 conformance: venv
@@ -94,11 +94,11 @@ clean-venv:
 # restricts the matrix to those packages.
 .PHONY: version-matrix version-lane
 version-matrix: venv
-	$(PY) -m conformance.versions matrix --reports $(REPORT)/versions $(if $(ONLY),--only $(ONLY))
+	$(PY) -m conformance.versions matrix --reports $(REPORT)/versions $(if $(ONLY),--only $(ONLY)) $(PARALLEL)
 
 version-lane: $(if $(RELEASE),venv)
 	@test -n "$(RELEASE)" || { echo "usage: make version-lane RELEASE=sglang==0.5.22 (list: $(PY) -m conformance.versions list)" >&2; exit 4; }
-	$(PY) -m conformance.versions lane "$(RELEASE)" --reports $(REPORT)/versions
+	$(PY) -m conformance.versions lane "$(RELEASE)" --reports $(REPORT)/versions $(PARALLEL)
 
 # The suite installed into a user's own serving environment (README "Install into your serving environment"),
 # as a user would: a fresh $(USER_ENV) holding torch, sglang $(USER_SGLANG) and speculators $(USER_SPECULATORS)
