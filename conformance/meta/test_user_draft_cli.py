@@ -11,7 +11,7 @@ import json
 import pytest
 
 from conformance.checkpoints.weights import sha256
-from conformance.meta.verdict_runs import run_pytest
+from conformance.meta.test_verdict import run_pytest
 from conformance.user.example_draft import write_example
 from conformance.user.user_draft import input_files
 
