@@ -164,7 +164,7 @@ def test_seed_command_line_fails_the_settings_test(trained_draft, tmp_path):
     """pytest run as a user would, with the seed's --sglang-args: the settings test fails (exit code
     1) naming the effective draft tokens, and the report states them."""
     node = "conformance/settings/test_sglang_settings.py::test_sglang_effective_settings_match_requested"
-    env = {**os.environ, CACHE_ENV: str(trained_draft.root.parent)}
+    env = {**os.environ, CACHE_ENV: str(trained_draft.root.parent), "OMP_NUM_THREADS": "1"}   # beside the workers
     done = subprocess.run(
         [sys.executable, "-m", "pytest", node, "-q", "--sglang-args", SEED_ARGS,
          "--report", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
