@@ -54,6 +54,19 @@ class Accounting:
         if not _equal(param, tensor):
             self.differs.append(where)
 
+    def land_by_name(self, ckpt: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
+                     training_only: frozenset[str] = frozenset()) -> None:
+        """For a loader that keys parameters by name: each checkpoint tensor landed on the parameter of its name
+        (verified by value) or dropped; then the parameters no tensor filled and those not finite, besides
+        `training_only` ones that a draft checkpoint does not carry."""
+        for name in sorted(ckpt):
+            if name in state:
+                self.land(name, name, state[name], ckpt[name])
+            else:
+                self.dropped.append(name)
+        self.never_loaded = sorted(set(state) - set(ckpt) - training_only)
+        self.nan = sorted(k for k, v in state.items() if k not in training_only and not finite(v))
+
     def refuse(self, exc: BaseException, ckpt_dir: Path) -> "Accounting":
         """The loader raised: its own words, one line; nothing else to account for."""
         self.refused = one_line(exc, ckpt_dir)

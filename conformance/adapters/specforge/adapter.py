@@ -30,7 +30,7 @@ from conformance.adapters.specforge.recorder import Recorder
 from conformance.adapters.specforge.shims import EAGER_NOTE, LOSS_NOTE, eager, torch_loss
 from conformance.checkpoints.formats.specforge import inexpressible
 from conformance.core import stages
-from conformance.loading.accounting import Accounting, checkpoint_tensors, finite, observed_knobs, rope_text, vocab_map
+from conformance.loading.accounting import Accounting, checkpoint_tensors, observed_knobs, rope_text, vocab_map
 from reference.eagle3 import DraftBatch, Eagle3Config
 
 # q_rot is a local of apply_rotary_pos_emb (llama3_eagle.py:133-142), a free compiled function; the
@@ -105,14 +105,7 @@ class SpecForgeAdapter:
         except Exception as exc:   # the loader's own words, one line
             return acct.refuse(exc, ckpt_dir)
         model = loaded.model
-        state = model.state_dict()
-        for name in sorted(ckpt):
-            if name in state:
-                acct.land(name, name, state[name], ckpt[name])
-            else:
-                acct.dropped.append(name)
-        acct.never_loaded = sorted(set(state) - set(ckpt))
-        acct.nan = sorted(k for k, v in state.items() if not finite(v))
+        acct.land_by_name(ckpt, model.state_dict())
         acct.vocab_map = vocab_map(ckpt, model.vocab_size, model.draft_vocab_size)
         acct.uses = {"embed_tokens": "checkpoint" if loaded.report.loaded_embedding else
                      "its own initialisation (in training: the target's, load_embedding)",

@@ -19,7 +19,7 @@ from conformance.adapters.speculators.recorder import Recorder
 from conformance.adapters.speculators.training import FLEX_BLOCK, training_layout
 from conformance.checkpoints import WEIGHTS_FILE
 from conformance.core import stages
-from conformance.loading.accounting import (Accounting, checkpoint_tensors, finite, observed_knobs, rope_text,
+from conformance.loading.accounting import (Accounting, checkpoint_tensors, observed_knobs, rope_text,
                                            vocab_map)
 from reference.eagle3 import DraftBatch, Eagle3Config
 
@@ -117,14 +117,7 @@ class SpeculatorsAdapter:
         except Exception as exc:   # the loader's own words, one line
             return acct.refuse(exc, ckpt_dir)
         model = loaded.model
-        state = model.state_dict()
-        for name in sorted(ckpt):
-            if name in state:
-                acct.land(name, name, state[name], ckpt[name])
-            else:
-                acct.dropped.append(name)
-        acct.never_loaded = sorted(set(state) - set(ckpt) - set(VERIFIER_OWNED))   # the teacher head is training-only
-        acct.nan = sorted(k for k, v in state.items() if k not in VERIFIER_OWNED and not finite(v))
+        acct.land_by_name(ckpt, model.state_dict(), frozenset(VERIFIER_OWNED))   # the teacher head is training-only
         acct.vocab_map = vocab_map(ckpt, model.embed_tokens.num_embeddings, model.lm_head.out_features)
         acct.uses = {"embed_tokens": "checkpoint (in training: the verifier's, unless embed_requires_grad)",
                      "lm_head": "checkpoint lm_head (in training: verifier lm_head[t2d], frozen; model.py:172-185)",
