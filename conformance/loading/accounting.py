@@ -9,6 +9,7 @@ the loaded draft, and the knob table.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +93,19 @@ def _equal(param: torch.Tensor, tensor: torch.Tensor) -> bool:
             and param.shape[0] > tensor.shape[0]:
         param = param[: tensor.shape[0]]
     return param.shape == tensor.shape and torch.equal(param.detach().cpu(), tensor.to(param.dtype))
+
+
+def load_and_count(impl: str, ckpt_dir: Path, load: Callable[[], object]) -> tuple[Accounting, dict, object | None]:
+    """An accounting begun: the checkpoint's tensors counted and `load()` run; the loaded draft, or None when
+    the loader raised (then the accounting holds its refusal, in its own words, and nothing else)."""
+    acct = Accounting(impl)
+    ckpt = checkpoint_tensors(ckpt_dir)
+    acct.tensors = len(ckpt)
+    try:
+        return acct, ckpt, load()
+    except Exception as exc:   # the loader's own words, one line
+        acct.refuse(exc, ckpt_dir)
+        return acct, ckpt, None
 
 
 def one_line(exc: BaseException, ckpt_dir: Path) -> str:

@@ -30,7 +30,7 @@ from conformance.adapters.specforge.recorder import Recorder
 from conformance.adapters.specforge.shims import EAGER_NOTE, LOSS_NOTE, eager, torch_loss
 from conformance.checkpoints.formats.specforge import inexpressible
 from conformance.core import stages
-from conformance.loading.accounting import Accounting, checkpoint_tensors, observed_knobs, rope_text, vocab_map
+from conformance.loading.accounting import Accounting, load_and_count, observed_knobs, rope_text, vocab_map
 from reference.eagle3 import DraftBatch, Eagle3Config
 
 # q_rot is a local of apply_rotary_pos_emb (llama3_eagle.py:133-142), a free compiled function; the
@@ -97,13 +97,9 @@ class SpecForgeAdapter:
         """warm_start_draft_model loads the state dict by name and refuses unexpected or missing keys
         (embed_tokens excepted, model_loading.py:436-450); success is verified by value here."""
         ckpt_dir = Path(ckpt_dir)
-        acct = Accounting(self.name)
-        ckpt = checkpoint_tensors(ckpt_dir)
-        acct.tensors = len(ckpt)
-        try:
-            loaded = self.load(ckpt_dir, dtype)
-        except Exception as exc:   # the loader's own words, one line
-            return acct.refuse(exc, ckpt_dir)
+        acct, ckpt, loaded = load_and_count(self.name, ckpt_dir, lambda: self.load(ckpt_dir, dtype))
+        if loaded is None:
+            return acct
         model = loaded.model
         acct.land_by_name(ckpt, model.state_dict())
         acct.vocab_map = vocab_map(ckpt, model.vocab_size, model.draft_vocab_size)

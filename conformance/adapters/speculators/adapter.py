@@ -19,7 +19,7 @@ from conformance.adapters.speculators.recorder import Recorder
 from conformance.adapters.speculators.training import FLEX_BLOCK, training_layout
 from conformance.checkpoints import WEIGHTS_FILE
 from conformance.core import stages
-from conformance.loading.accounting import (Accounting, checkpoint_tensors, observed_knobs, rope_text,
+from conformance.loading.accounting import (Accounting, load_and_count, observed_knobs, rope_text,
                                            vocab_map)
 from reference.eagle3 import DraftBatch, Eagle3Config
 
@@ -109,13 +109,9 @@ class SpeculatorsAdapter:
         """speculators' transformers loader keys parameters by name; load()'s strict check raises on
         any tensor dropped or never loaded, so a refusal names them; success is verified by value."""
         ckpt_dir = Path(ckpt_dir)
-        acct = Accounting(self.name)
-        ckpt = checkpoint_tensors(ckpt_dir)
-        acct.tensors = len(ckpt)
-        try:
-            loaded = self.load(ckpt_dir, dtype)
-        except Exception as exc:   # the loader's own words, one line
-            return acct.refuse(exc, ckpt_dir)
+        acct, ckpt, loaded = load_and_count(self.name, ckpt_dir, lambda: self.load(ckpt_dir, dtype))
+        if loaded is None:
+            return acct
         model = loaded.model
         acct.land_by_name(ckpt, model.state_dict(), frozenset(VERIFIER_OWNED))   # the teacher head is training-only
         acct.vocab_map = vocab_map(ckpt, model.embed_tokens.num_embeddings, model.lm_head.out_features)
