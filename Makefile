@@ -56,7 +56,7 @@ test: venv lint
 # units of the memory-roofline time measured in the same run: ratios, not seconds. On a CUDA host
 # select the GPU sweep: make bench-compare BENCH_MARK="benchmark and gpu".
 BENCH_BASELINES ?= benchmarks/baselines
-BENCH_MARK ?= benchmark and not gpu
+BENCH_MARK ?= benchmark and not gpu and not vllm
 BENCH_SELECT ?=
 BENCH_FAIL ?= median:50%
 BENCH_REPORT ?=
@@ -141,7 +141,7 @@ user-env-check:
 # resolved); its draft runs in one worker process per session (conformance/adapters/vllm). Only the tests
 # marked `vllm`, never part of `make test`; the report goes to $(REPORT)/vllm/.
 VLLM_VENV ?= .venv-vllm
-.PHONY: venv-vllm vllm
+.PHONY: venv-vllm vllm bench-vllm
 $(VLLM_VENV)/.installed: requirements-vllm.lock
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-vllm.lock
@@ -150,4 +150,11 @@ $(VLLM_VENV)/.installed: requirements-vllm.lock
 venv-vllm: $(VLLM_VENV)/.installed
 
 vllm: venv venv-vllm
-	VLLM_VENV=$(VLLM_VENV) $(PYTEST) -m vllm --report=$(REPORT)/vllm
+	VLLM_VENV=$(VLLM_VENV) $(PYTEST) -m "vllm and not benchmark" --report=$(REPORT)/vllm
+
+# vLLM's throughput sweep (its pass timed inside its worker) with the reference's figures beside it; nothing
+# stored. BENCH_SELECT narrows it (-k), e.g. make bench-vllm BENCH_SELECT=tiny.
+bench-vllm: venv venv-vllm
+	VLLM_VENV=$(VLLM_VENV) OMP_NUM_THREADS=$(BENCH_THREADS) $(PYTEST) $(BENCH_TESTS) -m "vllm and benchmark" \
+		$(if $(BENCH_SELECT),-k "$(BENCH_SELECT)") --benchmark-enable --benchmark-columns=median,iqr,min,max,rounds \
+		--report=$(if $(BENCH_REPORT),$(BENCH_REPORT),$(REPORT)/bench-vllm)

@@ -112,7 +112,8 @@ def pytest_collection_modifyitems(config, items):
 
 def own_lanes(config, items) -> None:
     """A test of an implementation whose adapter has a lane of its own (`lane`, e.g. "vllm": its own
-    environment), parametrized with it (`impl`) or with one of its registry entries, carries that lane's
+    environment), parametrized with it (`impl`), with one of its registry entries or with a benchmark case of
+    that lane's sweep (`case.lane`, the reference's figures beside it included), carries that lane's
     marker instead of `cpu` (wherever `cpu` was set: function, module), so `-m cpu` never selects it and
     `-m vllm` does; without that environment it skips with the adapter's one line."""
     from conformance.adapters import ADAPTERS
@@ -122,6 +123,9 @@ def own_lanes(config, items) -> None:
         params = item.callspec.params if hasattr(item, "callspec") else {}
         impl = params.get("impl", getattr(params.get("entry"), "impl", None))
         adapter = ADAPTERS.get(impl) if isinstance(impl, str) else None
+        lane = getattr(params.get("case"), "lane", None)   # a benchmark case of a lane's own sweep
+        if adapter is None and lane not in (None, "cpu"):
+            adapter = next(a for a in ADAPTERS.values() if lane_of(a) == lane)
         if adapter is None or lane_of(adapter) == "cpu":
             continue
         lane = lane_of(adapter)

@@ -8,6 +8,7 @@ timed pass, its weight accounting, its drafting loop): no area branches on an ad
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, fields, replace
 from importlib import metadata
 from pathlib import Path
@@ -103,6 +104,9 @@ class TimedPass:
     call: Callable[[], object]   # one pass; the caller synchronises the device
     runs: tuple[int, ...]        # the draft steps one call computes: (step,) alone, or (0, ..., step)
     what: str                    # what the call is, for the benchmark's record
+    # What the benchmark reads time from: this process's wall clock, or the seconds the call measured where it
+    # ran (an adapter whose pass runs in another process: its pipe and files are not the pass).
+    clock: Callable[[], float] = time.perf_counter
 
 
 def last_rows(batch: DraftBatch) -> torch.Tensor:

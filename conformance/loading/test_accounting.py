@@ -10,7 +10,7 @@ import torch
 
 from conformance.core.report import Section
 from conformance.loading.accounting import account, knob_rows, vocab_map_problems
-from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
+from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS, IMPLEMENTATIONS
 from conformance.core.matching import known_param, settle_accounting
 from conformance.core.registry import for_accounting
 from fixtures.cases import CASES_BY_ID, STEP0_CASES
@@ -19,28 +19,35 @@ from fixtures.checkpoint import edited_copy
 from fixtures.tiny import make_config, make_vocab_map
 
 pytestmark = pytest.mark.cpu
-IMPLS = ("reference", *IMPLEMENTATIONS)
+IMPLS = ("reference", *IMPLEMENTATIONS)   # the default lane's
+VLLM = [impl for impl in ALL_IMPLEMENTATIONS if impl == "vllm"]   # its own lane (make vllm)
 _ACCOUNTS: dict = {}
 
 
-def accounts_of(drafts, case) -> dict:
-    """All three accounts of one case (fp32), computed once per session."""
-    if case.id not in _ACCOUNTS:
-        dirs = drafts.checkpoint(case)
-        _ACCOUNTS[case.id] = {impl: account(impl, dirs[ADAPTERS[impl].checkpoint_format]) for impl in IMPLS
-                              if ADAPTERS[impl]().unsupported(case.config) is None}
-    return _ACCOUNTS[case.id]
+def account_of(drafts, case, impl):
+    """One implementation's account of one case (fp32), computed once per session."""
+    if (case.id, impl) not in _ACCOUNTS:
+        _ACCOUNTS[case.id, impl] = account(impl, drafts.checkpoint(case)[ADAPTERS[impl].checkpoint_format])
+    return _ACCOUNTS[case.id, impl]
+
+
+def accounts_of(drafts, case, impls=IMPLS) -> dict:
+    return {impl: account_of(drafts, case, impl) for impl in impls
+            if ADAPTERS[impl]().unsupported(case.config) is None}
 
 
 @pytest.mark.parametrize("case,impl", [known_param(case, impl, id=f"{case.id}-{impl}", known=for_accounting(impl, case))
-                                       for case in STEP0_CASES for impl in IMPLEMENTATIONS
+                                       for case in STEP0_CASES for impl in ALL_IMPLEMENTATIONS
                                        if ADAPTERS[impl]().unsupported(case.config) is None])
 def test_every_tensor_is_accounted_for(case, impl, drafts, report, repro):
-    accounts = accounts_of(drafts, case)
-    acct = accounts[impl]
+    acct = account_of(drafts, case, impl)
     report.add_row(Section.WEIGHT_ACCOUNTING, acct.row(case.id))
-    if impl == IMPLEMENTATIONS[0]:   # the knobs that disagree, once per case
-        for row in knob_rows(case.id, list(accounts.values()), only_disagreements=True):
+    # The knobs that disagree, once per case and lane: an implementation of a lane of its own (vLLM) beside
+    # the default lane's, so that its report shows the same draft in every implementation.
+    own_lane = impl not in IMPLEMENTATIONS
+    if impl == IMPLEMENTATIONS[0] or own_lane:
+        impls = (*IMPLS, impl) if own_lane else IMPLS
+        for row in knob_rows(case.id, list(accounts_of(drafts, case, impls).values()), only_disagreements=True):
             report.add_row(Section.EFFECTIVE_KNOBS, row)
     settle_accounting(acct, for_accounting(impl, case), f"{impl} weight accounting [{case.id}]", repro)
 
@@ -87,7 +94,48 @@ def test_sglang_fused_shards_are_mapped_back(drafts):
 
 
 @pytest.mark.meta
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", VLLM)
+def test_vllm_fused_shards_and_vocab_map_are_mapped_back(impl, drafts):
+    """vLLM (its own lane): q/k/v and gate/up land in the rows of its fused parameters the shard ids name
+    (layers/linear.py output_sizes), d2t on draft_id_to_target_id, t2d skipped by its own code."""
+    cfg = GQA.config
+    acct = account_of(drafts, GQA, impl)
+    landed = dict(acct.landed)
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    qkv, gate_up = "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"
+    assert landed["layers.0.self_attn.q_proj.weight"] == f"{qkv}[0:{q}]"
+    assert landed["layers.0.self_attn.k_proj.weight"] == f"{qkv}[{q}:{q + kv}]"
+    assert landed["layers.0.self_attn.v_proj.weight"] == f"{qkv}[{q + kv}:{q + 2 * kv}]"
+    assert landed["layers.0.mlp.gate_proj.weight"] == f"{gate_up}[0:{inter}]"
+    assert landed["layers.0.mlp.up_proj.weight"] == f"{gate_up}[{inter}:{2 * inter}]"
+    assert landed["d2t"] == "draft_id_to_target_id"
+    assert acct.ignored == ["t2d"] and not acct.problems, acct.row(GQA.id)
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("impl", VLLM)
+def test_vllm_parameter_never_loaded_is_named(impl, drafts, tmp_path):
+    """A parameter vLLM runs but no tensor filled is a problem; one it never runs (hidden_norm of layers >= 1)
+    is not: the run that tells them apart is observed, so a used one is never excused."""
+    def edit(w):
+        del w["layers.0.post_attention_layernorm.weight"]
+    acct = account(impl, planted(drafts, GQA, "speculators", tmp_path, edit))
+    assert acct.never_loaded == ["model.layers.0.post_attention_layernorm.weight"], acct.row(GQA.id)
+    assert "never loaded: model.layers.0.post_attention_layernorm.weight" in acct.problems
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("impl", VLLM)
+def test_vllm_unknown_tensor_is_named(impl, drafts, tmp_path):
+    """A tensor no vLLM parameter matches: its AutoWeightsLoader refuses the load, naming it."""
+    def edit(w):
+        w["layers.0.self_attn.q_norm.weight"] = torch.ones(12)
+    acct = account(impl, planted(drafts, GQA, "speculators", tmp_path, edit))
+    assert any("q_norm" in p for p in acct.problems), acct.row(GQA.id)
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("impl", ("reference", *ALL_IMPLEMENTATIONS))
 def test_a_value_that_did_not_land_is_named(impl, drafts, tmp_path, monkeypatch):
     """Landing is verified by value: a loader that writes something else is caught."""
     from conformance.loading import accounting
@@ -107,11 +155,12 @@ def test_speculators_refusal_is_named(drafts, tmp_path):
 
 
 @pytest.mark.meta
-def test_accounting_leaves_the_checkpoint_untouched(drafts):
+@pytest.mark.parametrize("impl", ["default lane", *VLLM])
+def test_accounting_leaves_the_checkpoint_untouched(impl, drafts):
     dirs = drafts.checkpoint(CASES_BY_ID["fc_norm"])
     before = {fmt: sha256(d / WEIGHTS_FILE) for fmt, d in dirs.items()}
-    for impl in IMPLS:
-        account(impl, dirs[ADAPTERS[impl].checkpoint_format])
+    for name in IMPLS if impl == "default lane" else (impl,):
+        account(name, dirs[ADAPTERS[name].checkpoint_format])
     assert before == {fmt: sha256(d / WEIGHTS_FILE) for fmt, d in dirs.items()}
 
 

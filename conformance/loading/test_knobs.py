@@ -10,7 +10,7 @@ from types import MethodType
 import pytest
 import torch
 
-from conformance.adapters import ADAPTERS, IMPLEMENTATIONS, REFERENCE
+from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS, IMPLEMENTATIONS, REFERENCE
 from conformance.adapters.sglang import weights
 from conformance.loading.accounting import account, checkpoint_tensors, knob_rows
 from fixtures.cases import CASES_BY_ID
@@ -66,3 +66,16 @@ def test_sglang_pre_norm_knob_follows_its_weights(drafts):
         loaded.model.model.layers[1].hidden_norm.weight.copy_(ckpt["layers.1.input_layernorm.weight"])
     assert weights._knobs(loaded, ckpt)["layers >= 1 pre-norm"] == "layers.1.input_layernorm.weight"
 
+
+
+@pytest.mark.parametrize("impl", [i for i in ALL_IMPLEMENTATIONS if i not in IMPLEMENTATIONS])   # own lanes (vLLM)
+@pytest.mark.parametrize("case_id,knob", [("norm_before_residual", "norm_before_residual"),
+                                          ("two_layers", "layers >= 1 pre-norm"), ("gqa", "fc")])
+def test_an_own_lane_server_knobs_are_observed(impl, case_id, knob, drafts):
+    """vLLM's observed knobs on the drafts where SGLang's build differs: read off its own run, they equal the
+    reference's (vLLM applies norm_before_residual and layer 1's input_layernorm) and SGLang's differ
+    (test above), so the row tells the two servers apart."""
+    case = CASES_BY_ID[case_id]
+    dirs = drafts.checkpoint(case)
+    got = {name: account(name, dirs[ADAPTERS[name].checkpoint_format]).knobs[knob] for name in (REFERENCE, impl)}
+    assert got[impl] == got[REFERENCE], got

@@ -74,3 +74,23 @@ def test_an_own_lane_test_leaves_the_default_lane(missing, monkeypatch, tmp_path
     assert any(line.startswith(f"{lane}:") for line in config.lines)        # registered (--strict-markers)
     skips = [m for m in own.own_markers if m.name == "skip"]
     assert [m.kwargs["reason"] for m in skips] == (["planted: environment missing"] if missing else [])
+
+
+@pytest.mark.parametrize("impl", [name for name in OWN_LANE if hasattr(ADAPTERS[name], "served_boundaries")])
+def test_the_observed_capture_follows_the_target_class(impl, wiring, tmp_path, repro):
+    """The served list of a class that runs here is read off its forward, not from the ids: a planted runner that
+    hands the target every id plus one (worker.py capture, plant "ids_one_deeper") moves what the forward
+    captures one boundary deeper, away from the ids the derivation reads."""
+    from conformance.adapters.vllm.adapter import Worker
+    from conformance.wiring.cases import CASES_BY_ID, N
+    from fixtures.targets import TARGETS, write_target_config
+
+    case = CASES_BY_ID["speculators_explicit"]
+    where = {"draft": str(wiring.draft_dir(case, "speculators")),
+             "target": str(write_target_config(TARGETS[0], tmp_path) / "config.json")}
+    worker = Worker.get()
+    clean = worker.ask("capture", **where, work=str(worker.scratch()))
+    planted = worker.ask("capture", **where, work=str(worker.scratch()), plant="ids_one_deeper")
+    assert clean["ran"] and clean["served"] == list(case.boundaries), f"{clean} ({repro})"
+    # one deeper; a boundary past the last layer's output (N) is never captured
+    assert planted["served"] == [b + 1 for b in case.boundaries if b + 1 <= N], f"{planted} ({repro})"

@@ -197,7 +197,7 @@ class UserDraftStore(DraftStore):
             dirs = self.checkpoint(self.case)
             self._accounts = {}
             for impl, adapter in ADAPTERS.items():
-                if lane_of(adapter) != "cpu":   # its own lane (e.g. vLLM's environment): not part of this verdict
+                if lane_of(adapter) != "cpu":   # its own lane (vLLM's environment): only when asked (account_of)
                     continue
                 if impl in other_trainers(self.inputs.trainer) or adapter.checkpoint_format not in dirs:
                     continue   # another trainer's implementation, or one that cannot express the draft
@@ -205,6 +205,18 @@ class UserDraftStore(DraftStore):
                                                self.inputs.target)
                 gc.collect()   # the model it loaded, before the next one loads
         return self._accounts
+
+    def account_of(self, impl: str):
+        """One implementation's accounting of the user's draft: the default lane's from accounts(), a server of a
+        lane of its own (vLLM, with --serve-with) computed on first ask."""
+        from conformance.loading.accounting import account
+
+        accounts = self.accounts()
+        if impl not in accounts:
+            adapter = ADAPTERS[impl]
+            accounts[impl] = account(impl, self.checkpoint(self.case)[adapter.checkpoint_format],
+                                     self.plan.accounting, self.inputs.target)
+        return accounts[impl]
 
     def serving(self, name: str, compute):
         """A serving check's result (wiring, settings), computed once: several user checks read it."""

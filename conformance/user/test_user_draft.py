@@ -15,7 +15,6 @@ import dataclasses
 import pytest
 
 from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
-from conformance.adapters.base import lane_of
 from conformance.core import registry
 from conformance.core.harness import LoadFailed
 from conformance.core.report import FAIL, PASS, Section
@@ -41,9 +40,7 @@ def pytest_generate_tests(metafunc):
                                                  for d in plan.dtypes])
     elif name == "test_user_draft_weight_accounting":
         inputs = metafunc.config.stash.get(INPUTS_KEY, None)
-        # Weight accounting loads in-process: a server in an environment of its own (its lane) has none.
-        metafunc.parametrize("impl", ["reference", *(impl for impl in user_implementations(inputs, metafunc.config)
-                                                     if lane_of(ADAPTERS[impl]) == "cpu")])
+        metafunc.parametrize("impl", ["reference", *user_implementations(inputs, metafunc.config)])
 
 
 def user_implementations(inputs, config=None) -> list[str]:
@@ -136,7 +133,7 @@ def test_user_draft_weight_accounting(impl, user_draft, report, verdict, request
     report_once(user_draft, report, verdict)
     if why := ADAPTERS[impl]().unsupported(user_draft.inputs.config):
         pytest.skip(why)
-    acct = user_draft.accounts()[impl]
+    acct = user_draft.account_of(impl)
     report.add_row(Section.WEIGHT_ACCOUNTING, acct.row(user_draft.case.id))
     if not acct.problems:
         return

@@ -37,24 +37,27 @@ def params():
                               known=known(impl, target, case, fmt)[:1])
 
 
-def served_comparison(impl: str, target: TargetSpec, case: WiringCase, fmt: str, wiring, root) -> WiringComparison:
-    """What `impl` feeds the draft for this config, as a WiringComparison against training (derived: no
-    target forward runs; see the adapter's wiring module for the capture convention it follows)."""
+def served_comparison(impl: str, target: TargetSpec, case: WiringCase, fmt: str, wiring,
+                      root) -> tuple[WiringComparison, dict]:
+    """What `impl` feeds the draft for this config, as a WiringComparison against training, and the adapter's
+    answer: observed where its target class ran here, else derived (see the adapter's wiring module)."""
     config = write_target_config(target, root / target.id) / "config.json"
     served = ADAPTERS[impl]().served_boundaries(wiring.draft_dir(case, fmt), config, N)
     case_id = f"{target.id}-{case.id}-{fmt}"
     error_kind = "" if not served["error"] else (REFUSED if served["read"] == "nothing" else CAPTURE_FAILED)
     names = None if served["served"] is None else tuple(boundary_name(b) for b in served["served"])
     return WiringComparison(case_id, case.boundaries, served["read"], served["served"], names,
-                            error=served["error"], kind_of_error=error_kind, derived=True, trained=case.describe())
+                            error=served["error"], kind_of_error=error_kind, derived=not served["observed"],
+                            trained=case.describe()), served
 
 
 def message(impl: str, comparison: WiringComparison, repro: str) -> str:
     serving = "(none)" if comparison.serving is None else layer_list(comparison.serving)
     lines = [f"{impl} vs training [{comparison.case_id}]: the draft is not fed what it was trained on "
              f"({comparison.kind})",
-             f"  training: {layer_list(comparison.training)}  serving: {serving} (from the ids {impl} passes the "
-             "target; no forward)",
+             f"  training: {layer_list(comparison.training)}  serving: {serving} "
+             + ("(derived from the ids it passes the target; no forward)" if comparison.derived
+                else "(observed: its target class's forward)"),
              f"  trained with {comparison.trained}", f"  {impl} read {comparison.read}"]
     if comparison.error:
         lines.append(f"  {comparison.error}")
@@ -75,7 +78,11 @@ def server_targets(tmp_path_factory):
 
 @pytest.mark.parametrize("impl,target,case,fmt", list(params()))
 def test_server_feeds_what_training_captured(impl, target, case, fmt, wiring, server_targets, report, repro):
-    comparison = served_comparison(impl, target, case, fmt, wiring, server_targets)
+    comparison, served = served_comparison(impl, target, case, fmt, wiring, server_targets)
+    if served["observed"] and not served["error"]:   # the capture rule checked where the class ran
+        assert served["served"] == served["derived"], (
+            f"{impl} [{comparison.case_id}]: its target class captured {served['served']}, the capture rule (the "
+            f"adapter's wiring module) derives {served['derived']}\n  repro: {repro}")
     if target.no_forward:
         sglang = wiring.capture_ids_only(target, case, fmt)
     else:
@@ -88,6 +95,7 @@ def test_server_feeds_what_training_captured(impl, target, case, fmt, wiring, se
         "SGLang feeds": "-" if sglang.serving is None else layer_list(sglang.serving),
         f"{impl} read": comparison.read,
         f"{impl} feeds": f"error: {comparison.error}" if comparison.error else layer_list(comparison.serving or ()),
+        f"{impl} how": "observed: its target class ran" if served["observed"] else f"derived: {served['derived_why']}",
         f"{impl} outcome": outcome})
     if not ok:
         settle(message(impl, comparison, repro), hit)
@@ -112,7 +120,7 @@ def test_a_shifted_config_is_caught(impl, wiring, server_targets, repro):
                                                 / "config.json", N)
     assert served["served"] == tuple(b + 1 for b in case.boundaries), f"{impl}: {served} ({repro})"
     shifted = WiringComparison("planted", case.boundaries, served["read"], served["served"],
-                               tuple(boundary_name(b) for b in served["served"]), derived=True)
+                               tuple(boundary_name(b) for b in served["served"]), derived=not served["observed"])
     assert not shifted.ok and shifted.kind == DEEPER, message(impl, shifted, repro)
 
 

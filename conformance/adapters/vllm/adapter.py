@@ -39,9 +39,11 @@ VENV_VARIABLE = "VLLM_VENV"
 MISSING = "vLLM environment missing: make venv-vllm"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 
-# What a benchmark times, per step (the whole chain through the worker: no pass of its own is exposed).
-TIMED = ("worker round trip: draft step 0 over every token of each request",
-         "worker round trip: steps 0 and 1 (step 1: one query per request on its last token)")
+# What a benchmark times, per step: the pass replayed in the worker and timed there (worker.replay).
+TIMED = ("vLLM's step 0 in its worker: combine_hidden_states, the model over every token, compute_logits on each "
+         "request's last (timed inside the worker: no pipe)",
+         "vLLM's draft step 1 in its worker: one query per request on its last token, compute_logits (timed inside "
+         "the worker: no pipe)")
 
 
 def venv() -> Path:
@@ -185,7 +187,10 @@ class VLLMAdapter:
         return served_boundaries(draft_dir, target_config, num_layers)
 
     def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None):
-        raise NotImplementedError("vllm: weight accounting is not wired for the vLLM worker")
+        """vLLM's load observed in the worker (worker.account), accounted for here (accounting.py)."""
+        from conformance.adapters.vllm.weights import account
+
+        return account(self, Path(ckpt_dir), dtype, target)
 
 
 class LoadedVLLM:
@@ -220,11 +225,27 @@ class LoadedVLLM:
                      claimed_stages=VLLMAdapter.claimed_stages, num_layers=self.num_layers)
 
     def timed_pass(self, batch: DraftBatch, step: int):
-        return contextlib.nullcontext(TimedPass(lambda: self.run(batch, step + 1, record=False),
-                                                tuple(range(step + 1)), TIMED[step]))
+        """Pass `step` of a two-step run, replayed alone in the worker (worker.replay) and timed there: its clock
+        advances by the seconds the worker measured, so the pipe and files are not part of the figure."""
+        self.run(batch, 2, record=False)
+        clock = WorkerClock()
+
+        def call():
+            clock.seconds += self.worker.ask("replay", handle=self.handle, step=step, rounds=1)["pass_seconds"][0]
+        return contextlib.nullcontext(TimedPass(call, (step,), TIMED[step], clock=clock))
 
     def drafter(self) -> Drafter:
         return chain_drafter(self)
+
+
+class WorkerClock:
+    """The worker's seconds spent in timed passes so far: a benchmark's clock (TimedPass.clock)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
 
 
 def _drop(worker: Worker, handle: int) -> None:

@@ -11,8 +11,11 @@ output before the final norm), captured in forward order, each boundary once:
 - DeepSeek-V2/V3 (and Kimi-K2.5, which delegates to it, kimi_k25.py:470-474): before layer idx when idx
   is listed, and after the last layer for N (deepseek_v2.py:1561-1568, :1586-1587); before layer 0 the
   residual is None, so id 0 raises (`hidden_states + residual`).
-No target forward runs here (vLLM's target classes need its compiled ops or a GPU): the served list is
-derived from the ids, as the SGLang side does for classes whose forward cannot run on a CPU host.
+Where vLLM's target class runs on this host (Llama, Qwen3: the shims' attention), the served list is
+observed (worker.py capture): the class built by get_model with its aux layers set as its model runner sets
+them, one forward, each returned aux state matched exactly to a boundary; and the derivation above must give
+the same list (conformance/wiring/test_serving_sides.py). Where it does not (DeepSeek-V3 / Kimi-K2.5: MLA
+attention has no backend on a CPU host; gpt-oss: no unquantized MoE backend), the list is derived, and says so.
 """
 from __future__ import annotations
 
@@ -29,16 +32,18 @@ def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int) -> 
     """What vLLM reads from `draft_dir`/config.json and which boundaries 0..num_layers it then feeds the draft.
 
     Returns {"read": readable, "ids": the ids its runner passes (None: the target's default), "served":
-    boundaries in slot order, "error": one line when vLLM refuses the config or the capture fails}."""
+    boundaries in slot order, "error": one line when vLLM refuses the config or the capture fails, "observed":
+    whether a forward of vLLM's target class gave "served" (else derived, "derived_why" says why), "derived":
+    the derived list (equal to "served" where observed, which the wiring tests require)}."""
     import json
 
     worker = Worker.get()
+    where = {"draft": str(Path(draft_dir).resolve()), "target": str(Path(target_config).resolve())}
     try:
-        answer = worker.ask("aux_layers", draft=str(Path(draft_dir).resolve()),
-                            target=str(Path(target_config).resolve()), work=str(worker.scratch()))
+        answer = worker.ask("aux_layers", **where, work=str(worker.scratch()))
     except Exception as exc:   # vLLM refused the draft or target config: its own words, one line
         return {"read": "nothing", "ids": None, "served": None, "error": f"{type(exc).__name__}: {exc}",
-                "reading": {}}
+                "reading": {}, "observed": False, "derived": None, "derived_why": "vLLM refused the config"}
     ids = answer["ids"]
     used = tuple(ids) if ids is not None else tuple(answer["default"])
     read = (f"ids {list(ids)} (eagle_aux_hidden_state_layer_ids, top level or eagle_config, as written)"
@@ -50,4 +55,12 @@ def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int) -> 
         error = ("target forward: id 0 adds a None residual before the first layer (deepseek_v2.py:1561-1562): "
                  "TypeError")
         served = None
-    return {"read": read, "ids": ids, "served": served, "error": error, "reading": answer["reading"]}
+    derived = {"read": read, "ids": ids, "served": served, "error": error, "reading": answer["reading"],
+               "observed": False, "derived": served}
+    seen = worker.ask("capture", **where, work=str(worker.scratch()))
+    if not seen["ran"]:
+        return {**derived, "derived_why": f"vLLM's target class does not run here: {seen['why']}"}
+    observed, error = None if seen["served"] is None else tuple(seen["served"]), seen["error"]
+    if observed is not None and -1 in observed:
+        observed, error = None, f"aux states matching no boundary exactly (slots {seen['served']}, -1: none)"
+    return {**derived, "served": observed, "error": error, "observed": True}

@@ -79,7 +79,8 @@ def target_config(draft_dir: Path, work: Path, target: dict | None) -> Path:
     return work
 
 
-def engine_config(draft_dir: Path, dtype: str, steps: int, work: Path, target: dict | None = None):
+def engine_config(draft_dir: Path, dtype: str, steps: int, work: Path, target: dict | None = None,
+                  load_format: str = "auto"):
     from vllm.engine.arg_utils import EngineArgs
 
     tdir = target_config(draft_dir, work, target)
@@ -88,11 +89,12 @@ def engine_config(draft_dir: Path, dtype: str, steps: int, work: Path, target: d
                   or written.get("text_config", {}).get("max_position_embeddings") or 2048)
     args = EngineArgs(
         model=str(tdir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
-        max_model_len=max_len, max_num_seqs=8, max_num_batched_tokens=max(256, max_len), block_size=BLOCK_SIZE,
+        # up to the benchmark sweep's largest step 0 in one pass (32 requests of 1,024 tokens) and its 32 requests
+        max_model_len=max_len, max_num_seqs=32, max_num_batched_tokens=max(32768, max_len), block_size=BLOCK_SIZE,
         speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": max(1, steps)},
         # vLLM's default whenever Inductor compiles: every CustomOp runs its forward_native
         compilation_config={"custom_ops": ["none"], "mode": 0},
-        load_format="auto", trust_remote_code=False,
+        load_format=load_format, trust_remote_code=False,
     )
     return args.create_engine_config()
 
@@ -169,6 +171,104 @@ def share_from_target(model) -> list[str]:
     return shared
 
 
+# ---------------------------------------------------------------- weight accounting: vLLM's load_weights observed
+
+# vLLM's rotary classes by the rope_type they implement (model_executor/layers/rotary_embedding/).
+ROPE_TYPES = {"RotaryEmbedding": "default", "LinearScalingRotaryEmbedding": "linear",
+              "Llama3RotaryEmbedding": "llama3", "YaRNScalingRotaryEmbedding": "yarn",
+              "DeepseekScalingRotaryEmbedding": "deepseek_yarn"}
+
+
+def account(req: dict) -> dict:
+    """The draft loaded as `load` does, then its `load_weights` replayed with every parameter's `weight_loader`
+    observed (the wrapper records the call and forwards it: values are rewritten with themselves). vLLM's loader
+    first collects the renamed tensors in a dict (llama_eagle3.py:420-470), so a call is tied to its checkpoint
+    tensor by storage, not by iteration order. Answers the calls (tensor, parameter, rows of a fused one), the
+    parameters after loading (a safetensors file: the adapter verifies each landing by value) and the knobs the
+    built modules state; the adapter observes the rest by running the draft (`handle`)."""
+    from safetensors import safe_open
+
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    answer = load(req)
+    loaded: Loaded = STATE["loaded"][answer["handle"]]
+    model = loaded.model
+    params = dict(model.named_parameters())
+    with safe_open(req["weights"], framework="pt") as f:
+        ckpt = {name: f.get_tensor(name) for name in f.keys()}
+    by_storage = {t.untyped_storage().data_ptr(): name for name, t in ckpt.items()}
+    calls: list[list] = []
+
+    def recording(pname, loader):
+        def weight_loader(param, loaded_weight, *args):
+            name = by_storage.get(loaded_weight.untyped_storage().data_ptr(), "<not a checkpoint tensor>")
+            calls.append([name, pname, shard_rows(model, pname, args[0] if args else None)])
+            return loader(param, loaded_weight, *args)
+        return weight_loader
+
+    had = {name: "weight_loader" in vars(p) for name, p in params.items()}
+    originals = {name: getattr(p, "weight_loader", default_weight_loader) for name, p in params.items()}
+    for name, p in params.items():
+        p.weight_loader = recording(name, originals[name])
+    try:
+        with torch.no_grad():
+            model.load_weights(iter(ckpt.items()))
+    finally:
+        for name, p in params.items():
+            if had[name]:
+                p.weight_loader = originals[name]
+            else:
+                del p.weight_loader
+    save_file({name: p.detach().contiguous().clone() for name, p in params.items()}, req["params"])
+    return {**answer, "calls": calls, "knobs": built_knobs(model),
+            "own": {"embed_tokens": bool(getattr(model, "has_own_embed_tokens", True)),
+                    "lm_head": bool(getattr(model, "has_own_lm_head", True))},
+            "sizes": {"vocab": int(model.config.vocab_size), "draft_vocab": int(model.config.draft_vocab_size),
+                      "hidden": int(model.config.hidden_size),
+                      "aux_width": int(getattr(model.model, "fc_input_size", model.config.hidden_size))}}
+
+
+def ran(req: dict) -> dict:
+    """The modules with parameters that have run in a forward of this draft so far."""
+    return {"modules": sorted(STATE["loaded"][req["handle"]].ran)}
+
+
+def shard_rows(model, pname: str, shard) -> list[int] | None:
+    """Rows of a fused parameter (qkv_proj: [q | k | v], gate_up_proj: [gate | up]) one shard fills; None when
+    not fused. vLLM's `output_sizes` are the shards' widths (layers/linear.py:727, :1073-1077)."""
+    if shard is None:
+        return None
+    module = model.get_submodule(pname.rsplit(".", 1)[0])
+    index = {"q": 0, "k": 1, "v": 2}.get(shard, shard)
+    start = sum(module.output_sizes[:index])
+    return [start, start + module.output_sizes[index]]
+
+
+def built_knobs(model) -> dict:
+    """The knob values the built modules state (the knob table's rows; observed ones come from the adapter)."""
+    inner, cfg = model.model, model.config
+    attn = inner.layers[0].self_attn
+    rope = attn.rotary_emb
+    window = getattr(attn.attn, "sliding_window", None)
+    fc = getattr(inner, "fc", None)
+    # Llama drafts: num_aux_hidden_states (llama_eagle3.py:209-221); Qwen3 drafts: num_aux_layers (qwen3_eagle3.py:201-211)
+    aux = getattr(inner, "num_aux_hidden_states", None) or getattr(inner, "num_aux_layers", None)
+    return {
+        "aux states x width": f"{aux} x {inner.fc_input_size // aux}" if inner.use_aux_hidden_state
+                              else "none (use_aux_hidden_state false)",
+        "fc in -> out": f"{fc.input_size} -> {fc.output_size}" if fc is not None else "none",
+        "norm_before_fc": inner.norm_before_fc, "fc_norm": getattr(inner, "fc_norm", None) is not None,
+        "norm_output": bool(inner.norm_output),
+        "layers": len(inner.layers),
+        "heads / kv heads / head_dim": f"{attn.total_num_heads}/{attn.total_num_kv_heads}/{attn.head_dim}",
+        "rope": [ROPE_TYPES.get(type(rope).__name__, type(rope).__name__), float(rope.base)],
+        "q/k/v bias": attn.qkv_proj.bias is not None,
+        "mlp bias": getattr(inner.layers[0].mlp.gate_up_proj, "bias", None) is not None,
+        "sliding window": window if window not in (None, -1) else "none",
+        "vocab / draft vocab": f"{cfg.vocab_size}/{cfg.draft_vocab_size}",
+    }
+
+
 # ---------------------------------------------------------------- the forward, as the proposer runs it
 
 class Loaded:
@@ -179,6 +279,12 @@ class Loaded:
         self.attn = attn
         self.backend = attn[0].attn_backend
         self.recorder = Recorder(model)
+        # The modules holding parameters that ran in some forward (weight accounting: a parameter never loaded
+        # that nothing uses is not a loading problem).
+        self.ran: set[str] = set()
+        for name, module in model.named_modules():
+            if next(module.parameters(recurse=False), None) is not None:
+                module.register_forward_hook(lambda m, a, o, name=name: self.ran.add(name))
 
 
 class Recorder:
@@ -393,6 +499,7 @@ def _run(req: dict) -> dict:
         return last_hidden, aux_out, loaded.recorder.take()
 
     loaded.recorder.on = record
+    loaded.passes = []   # each draft step's bare pass (no hooks recorded), for `replay`
     out_steps, out_rows = [], []
     with torch.no_grad():
         # Step 0: combine_hidden_states, then the model over every scheduled token (llm_base_proposer.py:549-601),
@@ -413,9 +520,9 @@ def _run(req: dict) -> dict:
             [[(0, n) for n in lengths]]
         for chunk in chunks:
             rows = torch.cat([torch.arange(a, b) + s0 for (a, b), s0 in zip(chunk, starts.tolist())])
-            last_hidden, aux_out, seen = forward(ids[rows].int(), positions[rows].long(), fed[rows],
-                                                 [b - a for a, b in chunk], [b for _, b in chunk],
-                                                 slots(seq_ids[rows], index_in_request[rows]))
+            args = (ids[rows].int(), positions[rows].long(), fed[rows], [b - a for a, b in chunk],
+                    [b for _, b in chunk], slots(seq_ids[rows], index_in_request[rows]))
+            last_hidden, aux_out, seen = forward(*args)
             if record:
                 part = canonical(loaded, seen, ids[rows], None, aux_out)
                 for name, value in part.items():
@@ -424,8 +531,15 @@ def _run(req: dict) -> dict:
                 st.setdefault("recurrent_hidden", aux_out.new_empty((T, *aux_out.shape[1:])))[rows] = aux_out
             hidden_rows = rows
         # logits on each request's last token (:614), greedy: argmax of compute_logits (d2t scatter) (:447)
-        sample = last_hidden[torch.searchsorted(hidden_rows, last)]
+        sample_rows = torch.searchsorted(hidden_rows, last)
+        sample = last_hidden[sample_rows]
         target_logits = model.compute_logits(sample)
+
+        def step0(args=args):   # the proposer's step 0: fc, the model over the scheduled tokens, the logits
+            fed_again = model.combine_hidden_states(aux_dt)
+            out = forward(*args[:2], fed_again[rows] if len(chunks) == 1 else args[2], *args[3:])[0]
+            return model.compute_logits(out[sample_rows])
+        loaded.passes.append(step0)
         draft_logits = loaded.recorder.take().get("logits") if record else None
         st["target_ids"] = target_logits.argmax(-1)
         st["draft_ids"] = draft_ids(model, target_logits)
@@ -443,7 +557,9 @@ def _run(req: dict) -> dict:
             pos = pos + 1
             seq_lens = [n + k for n in lengths]
             slot_map = slots(torch.arange(B), torch.tensor(lengths) + k - 1)
-            last_hidden, aux_out, seen = forward(tok.int(), pos, hidden, [1] * B, seq_lens, slot_map)
+            args = (tok.int(), pos, hidden, [1] * B, seq_lens, slot_map)
+            last_hidden, aux_out, seen = forward(*args)
+            loaded.passes.append(lambda args=args: model.compute_logits(forward(*args)[0]))
             st = canonical(loaded, seen, tok, hidden, aux_out) if record else {"recurrent_hidden": aux_out}
             target_logits = model.compute_logits(last_hidden)
             if record:
@@ -463,6 +579,31 @@ def _run(req: dict) -> dict:
              + "; steps >= 1: one query per request on its last token, as the proposer's draft loop",
              *loaded.shared, *(f"shim: {s}" for s in shims.APPLIED)]
     return {"rows": [{n: r.tolist() for n, r in rows.items()} for rows in out_rows], "notes": notes}
+
+
+def replay(req: dict) -> dict:
+    """Draft step `step`'s bare pass of the handle's last run again, `rounds` times, each timed here (no pipe,
+    no file, no hook: what a benchmark compares). A pass rewrites the same KV slots with the same values.
+    Step 0: combine_hidden_states, the model over every token, compute_logits on the last ones; step k >= 1:
+    the model on one query per request and compute_logits (llm_base_proposer.py:549-614, :683-760)."""
+    loaded: Loaded = STATE["loaded"][req["handle"]]
+    call = loaded.passes[req["step"]]
+    hooks = [(m, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in loaded.model.modules()]
+    for m, _, _ in hooks:   # detached while timed (the Recorder's and the accounting's hooks)
+        m._forward_pre_hooks.clear()
+        m._forward_hooks.clear()
+    seconds = []
+    try:
+        with torch.no_grad():
+            for _ in range(req["rounds"]):
+                start = time.perf_counter()
+                call()
+                seconds.append(time.perf_counter() - start)
+    finally:
+        for m, pre, post in hooks:
+            m._forward_pre_hooks.update(pre)
+            m._forward_hooks.update(post)
+    return {"pass_seconds": seconds}
 
 
 def draft_ids(model, target_logits):
@@ -501,6 +642,90 @@ def aux_layers(req: dict) -> dict:
             "reading": draft_config_reading(spec.draft_model_config.hf_config)}
 
 
+def capture(req: dict) -> dict:
+    """The target's capture observed: vLLM's target class for this config built by get_model (random weights:
+    load_format "dummy"; the capture does not depend on them), its aux layers set as GPUModelRunner.
+    _setup_eagle3_aux_hidden_state_outputs does (the config's ids, else the class's default; :5169-5188), one
+    forward over a request, and each aux state it returns matched exactly to the residual stream entering a
+    decoder layer (boundary i) or the final norm (boundary N). A class that does not run here (no CPU path for its
+    attention) answers `ran: False` with vLLM's own words."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    target = json.loads(Path(req["target"]).read_text())
+    vllm_config = engine_config(Path(req["draft"]), "float32", 1, Path(req["work"]), target, load_format="dummy")
+    ensure_distributed(vllm_config)
+    try:
+        with set_current_vllm_config(vllm_config):
+            model = get_model(vllm_config=vllm_config)
+        ids = GPUModelRunner._get_eagle3_aux_layers_from_config(
+            SimpleNamespace(speculative_config=vllm_config.speculative_config))
+        ids = ids or model.get_eagle3_default_aux_hidden_state_layers()
+        if req.get("plant") == "ids_one_deeper":   # the meta test's fault: a runner that adds 1 to every id
+            ids = tuple(i + 1 for i in ids)
+        model.set_aux_hidden_state_layers(ids)
+        inner = next(m for m in model.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList))
+        attn = [m for m in model.modules() if hasattr(m, "attn_backend") and hasattr(m, "layer_name")]
+        holder = SimpleNamespace(backend=attn[0].attn_backend, attn=attn, vllm_config=vllm_config)
+        if vllm_config.model_config.use_mla and shims.APPLIED:
+            raise NotImplementedError(f"{type(model).__name__} uses MLA attention: no vLLM MLA backend runs on this "
+                                      "CPU host (the shim's FLEX_ATTENTION is not one)")
+    except Exception as exc:   # vLLM's own words: this class cannot be built here
+        traceback.print_exc()
+        return {"ran": False, "why": f"{type(exc).__name__}: {first_line(exc)}"}
+    T = 6
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, model.config.get_text_config().vocab_size, (T,), generator=generator)
+    positions = torch.arange(T)
+    specs = kv_cache(holder, 2)
+    vllm_config.cache_config.num_gpu_blocks = 2
+    block_table = torch.ones(1, 1, dtype=torch.int32)   # block 1: block 0 is the null block
+    slot_map = BLOCK_SIZE + torch.arange(T)
+    qsl = torch.tensor([0, T], dtype=torch.int32)
+    cad = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=torch.tensor([T], dtype=torch.int32),
+        num_reqs=1, num_actual_tokens=T, max_query_len=T, max_seq_len=T, block_table_tensor=block_table,
+        slot_mapping=slot_map, causal=True, positions=positions)
+    names = [a.layer_name for a in attn]
+    metadata = {name: holder.backend.get_builder_cls()(spec, [name], vllm_config, torch.device("cpu")).build(
+        common_prefix_len=0, common_attn_metadata=cad) for spec, name in zip(specs, names)}
+    streams: dict[int, torch.Tensor] = {}
+
+    def stream(hidden, residual):
+        return (hidden if residual is None else hidden + residual).detach().clone()
+
+    def entering(i, hidden_at):   # observation only: a pre-hook returning None leaves the call as it was
+        def pre(module, args):
+            streams.setdefault(i, stream(args[hidden_at], args[hidden_at + 1] if len(args) > hidden_at + 1 else None))
+        return pre
+
+    # decoder layers are called (positions, hidden_states, residual); the final norm (hidden_states, residual)
+    handles = [layer.register_forward_pre_hook(entering(i, 1)) for i, layer in enumerate(inner.layers)]
+    handles.append(inner.norm.register_forward_pre_hook(entering(len(inner.layers), 0)))
+    try:
+        with torch.no_grad(), set_forward_context(metadata, vllm_config, num_tokens=T,
+                                                  slot_mapping={name: slot_map for name in names}):
+            out = model(input_ids=tokens, positions=positions, intermediate_tensors=None)
+    except Exception as exc:   # the capture itself fails (e.g. a None residual): vLLM's own words
+        traceback.print_exc()
+        return {"ran": True, "ids": list(ids), "served": None, "error": f"{type(exc).__name__}: {first_line(exc)}",
+                "architecture": type(model).__name__}
+    finally:
+        for h in handles:
+            h.remove()
+    aux = out[1] if isinstance(out, tuple) else []
+    served = []
+    for state in aux:
+        same = [b for b, s in sorted(streams.items()) if s.shape == state.shape and torch.equal(s, state)]
+        served.append(same[0] if len(same) == 1 else -1)   # -1: no single boundary holds exactly this state
+    return {"ran": True, "ids": list(ids), "served": served, "error": "", "architecture": type(model).__name__}
+
+
 # ---------------------------------------------------------------- the loop
 
 def serve() -> None:
@@ -516,7 +741,8 @@ def serve() -> None:
                 break
             for handle in req.get("drop", ()):   # drafts the adapter no longer holds
                 STATE["loaded"].pop(handle, None)
-            answer = {"load": load, "run": run, "aux_layers": aux_layers}[req["op"]](req)
+            answer = {"load": load, "account": account, "run": run, "replay": replay, "ran": ran,
+                      "aux_layers": aux_layers, "capture": capture}[req["op"]](req)
             answer = {"ok": True, **answer}
         except Exception as exc:   # vLLM's own words, one line; the traceback to stderr
             traceback.print_exc()
