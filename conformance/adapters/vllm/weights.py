@@ -80,7 +80,8 @@ def uses(answer: dict, target: dict | None) -> dict[str, str]:
     return {
         "embed_tokens": embed,
         "lm_head": "checkpoint lm_head" if own["lm_head"] else
-                   "the target's lm_head (none in the checkpoint: _maybe_share_lm_head, llm_base_proposer.py:1495-1523)",
+                   "the target's lm_head (none in the checkpoint: _maybe_share_lm_head, "
+                   "llm_base_proposer.py:1495-1523)",
         "d2t": "draft_id_to_target_id (compute_logits scatters into the full vocabulary)"
                if sizes["draft_vocab"] != sizes["vocab"] else "none: draft ids used as target ids",
     }

@@ -251,7 +251,7 @@ def built_knobs(model) -> dict:
     rope = attn.rotary_emb
     window = getattr(attn.attn, "sliding_window", None)
     fc = getattr(inner, "fc", None)
-    # Llama drafts: num_aux_hidden_states (llama_eagle3.py:209-221); Qwen3 drafts: num_aux_layers (qwen3_eagle3.py:201-211)
+    # Llama drafts: num_aux_hidden_states (llama_eagle3.py:209-221); Qwen3: num_aux_layers (qwen3_eagle3.py:201-211)
     aux = getattr(inner, "num_aux_hidden_states", None) or getattr(inner, "num_aux_layers", None)
     return {
         "aux states x width": f"{aux} x {inner.fc_input_size // aux}" if inner.use_aux_hidden_state
