@@ -180,7 +180,7 @@ def test_wiring_entries_show_exactly_what_they_register(entry, wiring, tmp_path)
     assert cases, f"{entry.id}: decides no wiring case"
     for target, case, fmt in cases:
         if hasattr(ADAPTERS[entry.impl], "served_boundaries"):   # another server, read by its own code
-            comparison = served_comparison(entry.impl, target, case, fmt, wiring, tmp_path)
+            comparison, _ = served_comparison(entry.impl, target, case, fmt, wiring, tmp_path)
         elif target.no_forward:
             comparison = wiring.capture_ids_only(target, case, fmt)
         else:

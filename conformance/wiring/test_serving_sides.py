@@ -47,17 +47,19 @@ def served_comparison(impl: str, target: TargetSpec, case: WiringCase, fmt: str,
     error_kind = "" if not served["error"] else (REFUSED if served["read"] == "nothing" else CAPTURE_FAILED)
     names = None if served["served"] is None else tuple(boundary_name(b) for b in served["served"])
     return WiringComparison(case_id, case.boundaries, served["read"], served["served"], names,
-                            error=served["error"], kind_of_error=error_kind, derived=not served["observed"],
+                            # compared as boundary lists (derived=True): an observed list too, since its states
+                            # were matched to boundaries of vLLM's own forward, not to training's tensors
+                            error=served["error"], kind_of_error=error_kind, derived=True,
                             trained=case.describe()), served
 
 
-def message(impl: str, comparison: WiringComparison, repro: str) -> str:
+def message(impl: str, comparison: WiringComparison, repro: str, observed: bool = False) -> str:
     serving = "(none)" if comparison.serving is None else layer_list(comparison.serving)
     lines = [f"{impl} vs training [{comparison.case_id}]: the draft is not fed what it was trained on "
              f"({comparison.kind})",
              f"  training: {layer_list(comparison.training)}  serving: {serving} "
-             + ("(derived from the ids it passes the target; no forward)" if comparison.derived
-                else "(observed: its target class's forward)"),
+             + ("(observed: its target class's forward)" if observed
+                else "(derived from the ids it passes the target; no forward)"),
              f"  trained with {comparison.trained}", f"  {impl} read {comparison.read}"]
     if comparison.error:
         lines.append(f"  {comparison.error}")
@@ -98,7 +100,7 @@ def test_server_feeds_what_training_captured(impl, target, case, fmt, wiring, se
         f"{impl} how": "observed: its target class ran" if served["observed"] else f"derived: {served['derived_why']}",
         f"{impl} outcome": outcome})
     if not ok:
-        settle(message(impl, comparison, repro), hit)
+        settle(message(impl, comparison, repro, served["observed"]), hit)
 
 
 @pytest.mark.parametrize("impl", SERVERS)
@@ -120,8 +122,8 @@ def test_a_shifted_config_is_caught(impl, wiring, server_targets, repro):
                                                 / "config.json", N)
     assert served["served"] == tuple(b + 1 for b in case.boundaries), f"{impl}: {served} ({repro})"
     shifted = WiringComparison("planted", case.boundaries, served["read"], served["served"],
-                               tuple(boundary_name(b) for b in served["served"]), derived=not served["observed"])
-    assert not shifted.ok and shifted.kind == DEEPER, message(impl, shifted, repro)
+                               tuple(boundary_name(b) for b in served["served"]), derived=True)
+    assert not shifted.ok and shifted.kind == DEEPER, message(impl, shifted, repro, served["observed"])
 
 
 # ---------------------------------------------------------------- the draft's knobs as each server reads them

@@ -707,10 +707,20 @@ def capture(req: dict) -> dict:
     # decoder layers are called (positions, hidden_states, residual); the final norm (hidden_states, residual)
     handles = [layer.register_forward_pre_hook(entering(i, 1)) for i, layer in enumerate(inner.layers)]
     handles.append(inner.norm.register_forward_pre_hook(entering(len(inner.layers), 0)))
-    try:
+    def forward():
         with torch.no_grad(), set_forward_context(metadata, vllm_config, num_tokens=T,
                                                   slot_mapping={name: slot_map for name in names}):
-            out = model(input_ids=tokens, positions=positions, intermediate_tensors=None)
+            return model(input_ids=tokens, positions=positions, intermediate_tensors=None)
+
+    try:
+        try:
+            out = forward()
+        except Exception as exc:   # torch 2.14's Inductor codegen failure after other shapes (see run())
+            if type(exc).__name__ != "InductorError":
+                raise
+            torch._dynamo.reset()
+            streams.clear()
+            out = forward()
     except Exception as exc:   # the capture itself fails (e.g. a None residual): vLLM's own words
         traceback.print_exc()
         return {"ran": True, "ids": list(ids), "served": None, "error": f"{type(exc).__name__}: {first_line(exc)}",
