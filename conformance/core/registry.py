@@ -55,7 +55,8 @@ NAMES = {
     "draft": DRAFT_NAMES, "load": DRAFT_NAMES, "accounting": DRAFT_NAMES,
     "tree": KNOBS | {"topk", "steps", "num_draft_tokens"},
     "wiring": frozenset({"target", "target_class", "format", "case", "trainer", "num_layers", "trained_on_default",
-                         "config_has_ids", "first_config_id", "min_config_id", "max_config_id", "config_shift"}),
+                         "config_has_ids", "first_config_id", "min_config_id", "max_config_id", "config_shift",
+                         "runner"}),   # a server with more than one model runner (vLLM: "v1", "v2"); else None
     "settings": KNOBS | frozenset(SERVER_SETTINGS) | {"config_has_draft_vocab_size"},
 }
 SETTINGS = frozenset(SERVER_SETTINGS) | {"embed_tokens", "lm_head"}

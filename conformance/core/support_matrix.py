@@ -107,13 +107,13 @@ def wiring_rows() -> list[dict]:
     """Per target class and draft config format, for each server (SGLang, and every other serving adapter):
     the training conventions it serves as trained, and the registered mismatch of each other one."""
     from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
-    from conformance.wiring.cases import wiring_matrix, wiring_names
+    from conformance.wiring.cases import runners, wiring_matrix, wiring_names
     from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS
 
-    def cells(impl) -> dict[tuple[str, str], str]:
+    def cells(impl, runner) -> dict[tuple[str, str], str]:
         rows: dict[tuple[str, str], dict[str, list[str]]] = {}
         for target, case, fmt in wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS):
-            known = registry.applicable("wiring", impl, wiring_names(target, case, fmt))
+            known = registry.applicable("wiring", impl, wiring_names(target, case, fmt, runner))
             key = "safe" if not known else f"{known[0].kind} ({known[0].id})"
             rows.setdefault((target.id, fmt), {}).setdefault(key, []).append(case.id)
         return {where: "; ".join(f"{key}: {', '.join(cases)}"
@@ -122,7 +122,9 @@ def wiring_rows() -> list[dict]:
 
     per_column = {}
     for impl in (i for i in ALL_IMPLEMENTATIONS if ADAPTERS[i].serving_decode):   # the servers
-        per_column.update(per_release(cells, impl))
+        for runner in runners(impl):   # a column per model runner where it has more than one (vLLM V2, V1)
+            suffix = "" if runner is None else f" ({runner.upper()} runner)"
+            per_column.update({col + suffix: cell for col, cell in per_release(cells, impl, runner).items()})
     return [{"target": t, "config format": f, **{col: by_place[(t, f)] for col, by_place in per_column.items()}}
             for (t, f) in next(iter(per_column.values()))]
 

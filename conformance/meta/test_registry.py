@@ -173,14 +173,15 @@ def wiring_cases():
 @pytest.mark.parametrize("entry", entries("wiring"), ids=by_id)
 def test_wiring_entries_show_exactly_what_they_register(entry, wiring, tmp_path):
     from conformance.core.registry import applicable
-    from conformance.wiring.cases import wiring_names
+    from conformance.wiring.cases import runners, wiring_names
     from conformance.wiring.test_serving_sides import served_comparison
 
-    cases = [x for x in wiring_cases() if applicable("wiring", entry.impl, wiring_names(*x))[:1] == (entry,)]
+    cases = [(*x, runner) for x in wiring_cases() for runner in runners(entry.impl)
+             if applicable("wiring", entry.impl, wiring_names(*x, runner))[:1] == (entry,)]
     assert cases, f"{entry.id}: decides no wiring case"
-    for target, case, fmt in cases:
+    for target, case, fmt, runner in cases:
         if hasattr(ADAPTERS[entry.impl], "served_boundaries"):   # another server, read by its own code
-            comparison, _ = served_comparison(entry.impl, target, case, fmt, wiring, tmp_path)
+            comparison, _ = served_comparison(entry.impl, target, case, fmt, wiring, tmp_path, runner)
         elif target.no_forward:
             comparison = wiring.capture_ids_only(target, case, fmt)
         else:

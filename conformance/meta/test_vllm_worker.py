@@ -87,7 +87,8 @@ def test_the_observed_capture_follows_the_target_class(impl, wiring, tmp_path, r
 
     case = CASES_BY_ID["speculators_explicit"]
     where = {"draft": str(wiring.draft_dir(case, "speculators")),
-             "target": str(write_target_config(TARGETS[0], tmp_path) / "config.json")}
+             "target": str(write_target_config(TARGETS[0], tmp_path) / "config.json"),
+             "runner": ADAPTERS[impl].runners[0]}
     worker = Worker.get()
     clean = worker.ask("capture", **where, work=str(worker.scratch()))
     planted = worker.ask("capture", **where, work=str(worker.scratch()), plant="ids_one_deeper")

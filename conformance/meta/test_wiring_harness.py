@@ -11,7 +11,7 @@ from conformance.adapters.sglang.target import AuxIds, DraftConfigRefused, sglan
 from conformance.core.compare import OK, compare_tensors
 from conformance.core.registry import REGISTRY, applicable
 from conformance.wiring.cases import (
-    CASES_BY_ID, MISSING, N, SEED_LAYERS, WRONG, layer_list, shrink, wiring_matrix, wiring_names,
+    CASES_BY_ID, MISSING, N, SEED_LAYERS, WRONG, layer_list, shrink, runners, wiring_matrix, wiring_names,
 )
 from conformance.wiring.comparison import compare_capture
 from conformance.checkpoints import sha256
@@ -120,7 +120,8 @@ def test_every_known_wiring_entry_matches_a_case():
     """A registry entry no case triggers is stale (its strict xfail would never run)."""
     cases = wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS)
     for entry in (e for e in REGISTRY if e.area == "wiring" and e.version_holds()):   # another release: its own run
-        decides = any(applicable("wiring", entry.impl, wiring_names(*x))[:1] == (entry,) for x in cases)
+        decides = any(applicable("wiring", entry.impl, wiring_names(*x, runner))[:1] == (entry,)
+                      for x in cases for runner in runners(entry.impl))
         assert decides, f"wiring entry decides no case: {entry.describe()}"
 
 

@@ -171,17 +171,26 @@ assert {REFUSED, CAPTURE_FAILED, DEFAULT_LIST, MISSING, SHALLOWER, DEEPER, WRONG
     "the registry's wiring kinds are WiringComparison.kind's"
 
 
-def wiring_names(target: TargetSpec, case: WiringCase, fmt: str) -> dict[str, object]:
+def wiring_names(target: TargetSpec, case: WiringCase, fmt: str, runner: str | None = None) -> dict[str, object]:
     """What a registry wiring condition reads: the target and its SGLang class, the config format, the
-    training case, and the ids the config carries (config_shift: by how much they differ from the
-    trained boundaries, when all by the same amount; None otherwise)."""
+    training case, the ids the config carries (config_shift: by how much they differ from the
+    trained boundaries, when all by the same amount; None otherwise), and the server's model runner where it
+    has more than one (`runner`: vLLM's "v1" / "v2"; None for SGLang)."""
     ids = config_ids(case, fmt)
     shifts = {i - b for i, b in zip(ids, case.boundaries)} if ids and len(ids) == len(case.boundaries) else set()
     return {"target": target.id, "target_class": target.sglang_class.split(":")[1], "format": fmt, "case": case.id,
             "trainer": case.trainer, "num_layers": N, "trained_on_default": case.boundaries == (2, N // 2, N - 3),
             "config_has_ids": ids is not None, "first_config_id": ids[0] if ids else None,
             "min_config_id": min(ids) if ids else None, "max_config_id": max(ids) if ids else None,
-            "config_shift": shifts.pop() if len(shifts) == 1 else None}
+            "config_shift": shifts.pop() if len(shifts) == 1 else None, "runner": runner}
+
+
+def runners(impl: str) -> tuple[str | None, ...]:
+    """A server's model runners that read the draft config each their own way (its adapter's `runners`, the
+    default first), or (None,)."""
+    from conformance.adapters import ADAPTERS
+
+    return tuple(getattr(ADAPTERS[impl], "runners", ())) or (None,)
 
 
 def known_wiring(target: TargetSpec, case: WiringCase, fmt: str) -> tuple[Known, ...]:

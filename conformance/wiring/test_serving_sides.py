@@ -16,7 +16,7 @@ from conformance.core.matching import known_param, match_wiring, settle
 from conformance.core.registry import applicable
 from conformance.core.report import Section
 from conformance.wiring.cases import (
-    CAPTURE_FAILED, REFUSED, N, WiringCase, boundary_name, layer_list, wiring_matrix, wiring_names,
+    CAPTURE_FAILED, REFUSED, N, WiringCase, boundary_name, layer_list, runners, wiring_matrix, wiring_names,
 )
 from conformance.wiring.comparison import WiringComparison
 from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS, TargetSpec, write_target_config
@@ -26,24 +26,26 @@ pytestmark = pytest.mark.cpu
 SERVERS = [impl for impl in ALL_IMPLEMENTATIONS if hasattr(ADAPTERS[impl], "served_boundaries")]
 
 
-def known(impl: str, target: TargetSpec, case: WiringCase, fmt: str):
-    return applicable("wiring", impl, wiring_names(target, case, fmt))
+def known(impl: str, target: TargetSpec, case: WiringCase, fmt: str, runner: str | None = None):
+    return applicable("wiring", impl, wiring_names(target, case, fmt, runner))
 
 
 def params():
     for impl in SERVERS:
-        for target, case, fmt in wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS):
-            yield known_param(impl, target, case, fmt, id=f"{impl}-{target.id}-{case.id}-{fmt}",
-                              known=known(impl, target, case, fmt)[:1])
+        for runner in runners(impl):   # vLLM: its V2 runner (a CUDA server's default) and its V1 runner
+            for target, case, fmt in wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS):
+                yield known_param(impl, runner, target, case, fmt, id=f"{impl}-{runner}-{target.id}-{case.id}-{fmt}",
+                                  known=known(impl, target, case, fmt, runner)[:1])
 
 
-def served_comparison(impl: str, target: TargetSpec, case: WiringCase, fmt: str, wiring,
-                      root) -> tuple[WiringComparison, dict]:
-    """What `impl` feeds the draft for this config, as a WiringComparison against training, and the adapter's
-    answer: observed where its target class ran here, else derived (see the adapter's wiring module)."""
+def served_comparison(impl: str, target: TargetSpec, case: WiringCase, fmt: str, wiring, root,
+                      runner: str | None = None) -> tuple[WiringComparison, dict]:
+    """What `impl` (with that model runner) feeds the draft for this config, as a WiringComparison against
+    training, and the adapter's answer: observed where its target class ran here, else derived (see the
+    adapter's wiring module)."""
     config = write_target_config(target, root / target.id) / "config.json"
-    served = ADAPTERS[impl]().served_boundaries(wiring.draft_dir(case, fmt), config, N)
-    case_id = f"{target.id}-{case.id}-{fmt}"
+    served = ADAPTERS[impl]().served_boundaries(wiring.draft_dir(case, fmt), config, N, runner)
+    case_id = f"{target.id}-{case.id}-{fmt}" + (f" ({runner} runner)" if runner else "")
     error_kind = "" if not served["error"] else (REFUSED if served["read"] == "nothing" else CAPTURE_FAILED)
     names = None if served["served"] is None else tuple(boundary_name(b) for b in served["served"])
     return WiringComparison(case_id, case.boundaries, served["read"], served["served"], names,
@@ -78,9 +80,9 @@ def server_targets(tmp_path_factory):
     return tmp_path_factory.mktemp("server_targets")
 
 
-@pytest.mark.parametrize("impl,target,case,fmt", list(params()))
-def test_server_feeds_what_training_captured(impl, target, case, fmt, wiring, server_targets, report, repro):
-    comparison, served = served_comparison(impl, target, case, fmt, wiring, server_targets)
+@pytest.mark.parametrize("impl,runner,target,case,fmt", list(params()))
+def test_server_feeds_what_training_captured(impl, runner, target, case, fmt, wiring, server_targets, report, repro):
+    comparison, served = served_comparison(impl, target, case, fmt, wiring, server_targets, runner)
     if served["observed"] and not served["error"]:   # the capture rule checked where the class ran
         assert served["served"] == served["derived"], (
             f"{impl} [{comparison.case_id}]: its target class captured {served['served']}, the capture rule (the "
@@ -90,7 +92,7 @@ def test_server_feeds_what_training_captured(impl, target, case, fmt, wiring, se
     else:
         sglang, _ = wiring.serve(target, case, fmt)
     ok, kind = comparison.ok, comparison.kind
-    hit = None if ok else match_wiring(known(impl, target, case, fmt)[:1], kind)
+    hit = None if ok else match_wiring(known(impl, target, case, fmt, runner)[:1], kind)
     outcome = "pass" if ok else (f"known: {kind}" if hit else f"FAIL: {kind}")
     report.add_row(Section.WIRING_SERVERS, {
         "Case": comparison.case_id, "training captured": layer_list(case.boundaries),

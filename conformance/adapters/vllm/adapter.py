@@ -136,6 +136,10 @@ class VLLMAdapter:
     package: ClassVar[str | None] = "vllm"
     releases: ClassVar[tuple[str, ...]] = ("0.33.0",)
     lane: ClassVar[str] = "vllm"               # its tests run in their own lane (pytest -m vllm, make vllm)
+    # Its two model runners read the draft config's aux ids each their own way (wiring.py). V2 first: vLLM picks
+    # it wherever Triton is installed and the config needs nothing it lacks (config/vllm.py:731-767), i.e. on a
+    # CUDA server; V1 where it falls back (or VLLM_USE_V2_MODEL_RUNNER=0).
+    runners: ClassVar[tuple[str, ...]] = ("v2", "v1")
     # vLLM serves both the speculators and the SGLang format; speculators is the format vLLM's own
     # training project writes and the one its config translator reads (the wiring area reads both).
     checkpoint_format: ClassVar[str] = "speculators"
@@ -180,11 +184,13 @@ class VLLMAdapter:
                             work=str(worker.scratch()), steps=8)
         return LoadedVLLM(worker, answer, dtype)
 
-    def served_boundaries(self, draft_dir: Path, target_config: Path, num_layers: int) -> dict:
-        """The target boundaries vLLM feeds the draft for this config (wiring.py: read by vLLM's own code)."""
+    def served_boundaries(self, draft_dir: Path, target_config: Path, num_layers: int,
+                          runner: str | None = None) -> dict:
+        """The target boundaries vLLM feeds the draft for this config with that model runner (default: the one
+        a CUDA server picks) (wiring.py: read by vLLM's own code)."""
         from conformance.adapters.vllm.wiring import served_boundaries
 
-        return served_boundaries(draft_dir, target_config, num_layers)
+        return served_boundaries(draft_dir, target_config, num_layers, runner or self.runners[0])
 
     def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None):
         """vLLM's load observed in the worker (worker.account), accounted for here (accounting.py)."""

@@ -28,8 +28,9 @@ from conformance.adapters.vllm.adapter import Worker
 NO_EMBEDDING_CAPTURE = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK25ForConditionalGeneration")
 
 
-def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int) -> dict:
-    """What vLLM reads from `draft_dir`/config.json and which boundaries 0..num_layers it then feeds the draft.
+def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int, runner: str) -> dict:
+    """What vLLM with model runner `runner` ("v1" | "v2") reads from `draft_dir`/config.json and which boundaries
+    0..num_layers it then feeds the draft.
 
     Returns {"read": readable, "ids": the ids its runner passes (None: the target's default), "served":
     boundaries in slot order, "error": one line when vLLM refuses the config or the capture fails, "observed":
@@ -38,7 +39,7 @@ def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int) -> 
     import json
 
     worker = Worker.get()
-    where = {"draft": str(Path(draft_dir).resolve()), "target": str(Path(target_config).resolve())}
+    where = {"draft": str(Path(draft_dir).resolve()), "target": str(Path(target_config).resolve()), "runner": runner}
     try:
         answer = worker.ask("aux_layers", **where, work=str(worker.scratch()))
     except Exception as exc:   # vLLM refused the draft or target config: its own words, one line
@@ -46,7 +47,9 @@ def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int) -> 
                 "reading": {}, "observed": False, "derived": None, "derived_why": "vLLM refused the config"}
     ids = answer["ids"]
     used = tuple(ids) if ids is not None else tuple(answer["default"])
-    read = (f"ids {list(ids)} (eagle_aux_hidden_state_layer_ids, top level or eagle_config, as written)"
+    where_read = ("top level or eagle_config" if runner == "v1" else
+                  "top level; the V2 runner reads eagle_config's layer_ids, not its eagle_aux_hidden_state_layer_ids")
+    read = (f"ids {list(ids)} (eagle_aux_hidden_state_layer_ids, {where_read}, as written)"
             if ids is not None else f"no ids: the target's default {list(answer['default'])}")
     served = tuple(b for b in sorted(set(used)) if 0 <= b <= num_layers)
     architecture = (json.loads(Path(target_config).read_text()).get("architectures") or [""])[0]
@@ -55,6 +58,8 @@ def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int) -> 
         error = ("target forward: id 0 adds a None residual before the first layer (deepseek_v2.py:1561-1562): "
                  "TypeError")
         served = None
+    if answer["v2_unsupported"] and runner == "v2":   # vLLM itself would run V1 for this config
+        read += f"; note: vLLM runs its V1 runner for this config ({', '.join(answer['v2_unsupported'])})"
     derived = {"read": read, "ids": ids, "served": served, "error": error, "reading": answer["reading"],
                "observed": False, "derived": served}
     seen = worker.ask("capture", **where, work=str(worker.scratch()))

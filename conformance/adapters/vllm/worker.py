@@ -619,27 +619,44 @@ def draft_ids(model, target_logits):
 # ---------------------------------------------------------------- target-side wiring: the aux ids vLLM's runner passes
 
 def aux_layers(req: dict) -> dict:
-    """The aux layer ids vLLM's model runner hands the target for this draft config (no weights are read):
-    vLLM's config path (EngineArgs -> create_engine_config, with its speculators-format translator), then
-    GPUModelRunner._get_eagle3_aux_layers_from_config (vllm/v1/worker/gpu_model_runner.py:5190-5221) on
-    that config, else the target's get_eagle3_default_aux_hidden_state_layers (model_executor/models/
-    interfaces.py:1751-1772; DeepSeek-V2/V3: deepseek_v2.py:1958-1960) for its number of layers, as
-    _setup_eagle3_aux_hidden_state_outputs does (:5169-5188). Both are vLLM's own functions, called on
-    stand-ins that hold only what they read (the speculative config; the target's layer list)."""
+    """The aux layer ids vLLM's model runner `req["runner"]` hands the target for this draft config (no weights
+    are read): vLLM's config path (EngineArgs -> create_engine_config, with its speculators-format translator),
+    then that runner's reading (runner_aux_layers) on that config, else the target's
+    get_eagle3_default_aux_hidden_state_layers (model_executor/models/interfaces.py:1751-1772; DeepSeek-V2/V3:
+    deepseek_v2.py:1958-1960) for its number of layers. All are vLLM's own functions, called on stand-ins that
+    hold only what they read (the speculative config; the target's layer list). Also what keeps vLLM off its V2
+    runner for this config (config/vllm.py:3053-3087; empty: a server with Triton runs V2)."""
     from types import SimpleNamespace
 
     from vllm.model_executor.models.interfaces import SupportsEagle3
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     target = json.loads(Path(req["target"]).read_text())
     vllm_config = engine_config(Path(req["draft"]), "float32", 1, Path(req["work"]), target)
     spec = vllm_config.speculative_config
-    ids = GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec))
+    ids = runner_aux_layers(req["runner"], spec)
     text = target.get("text_config", target)
     layers = SimpleNamespace(model=SimpleNamespace(layers=[None] * text["num_hidden_layers"]))
     default = SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(layers)
     return {"ids": None if ids is None else list(ids), "default": list(default),
-            "reading": draft_config_reading(spec.draft_model_config.hf_config)}
+            "reading": draft_config_reading(spec.draft_model_config.hf_config),
+            "v2_unsupported": list(vllm_config._get_v2_model_runner_unsupported_features())}
+
+
+def runner_aux_layers(runner: str, spec):
+    """The aux ids a model runner reads from the draft config, by that runner's own function: V1
+    GPUModelRunner._get_eagle3_aux_layers_from_config (v1/worker/gpu_model_runner.py:5190-5221: the top-level
+    key, else eagle_config's), V2 get_eagle3_aux_layers_from_config (v1/worker/gpu/spec_decode/eagle/
+    eagle3_utils.py:116-152: the top-level key, else eagle_config's `layer_ids`, never its
+    eagle_aux_hidden_state_layer_ids). None: the target's default."""
+    from types import SimpleNamespace
+
+    if runner == "v2":
+        from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+        return get_eagle3_aux_layers_from_config(spec)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec))
 
 
 def capture(req: dict) -> dict:
@@ -655,7 +672,6 @@ def capture(req: dict) -> dict:
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.model_loader import get_model
     from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     target = json.loads(Path(req["target"]).read_text())
     vllm_config = engine_config(Path(req["draft"]), "float32", 1, Path(req["work"]), target, load_format="dummy")
@@ -663,8 +679,9 @@ def capture(req: dict) -> dict:
     try:
         with set_current_vllm_config(vllm_config):
             model = get_model(vllm_config=vllm_config)
-        ids = GPUModelRunner._get_eagle3_aux_layers_from_config(
-            SimpleNamespace(speculative_config=vllm_config.speculative_config))
+        # as each runner sets them up: V1 _setup_eagle3_aux_hidden_state_outputs (gpu_model_runner.py:5169-5188),
+        # V2 set_eagle3_aux_hidden_state_layers (eagle3_utils.py:25-40): the config's ids, else the class default
+        ids = runner_aux_layers(req["runner"], vllm_config.speculative_config)
         ids = ids or model.get_eagle3_default_aux_hidden_state_layers()
         if req.get("plant") == "ids_one_deeper":   # the meta test's fault: a runner that adds 1 to every id
             ids = tuple(i + 1 for i in ids)
@@ -673,8 +690,9 @@ def capture(req: dict) -> dict:
         attn = [m for m in model.modules() if hasattr(m, "attn_backend") and hasattr(m, "layer_name")]
         holder = SimpleNamespace(backend=attn[0].attn_backend, attn=attn, vllm_config=vllm_config)
         if vllm_config.model_config.use_mla and shims.APPLIED:
-            raise NotImplementedError(f"{type(model).__name__} uses MLA attention: no vLLM MLA backend runs on this "
-                                      "CPU host (the shim's FLEX_ATTENTION is not one)")
+            raise NotImplementedError(f"{type(model).__name__} uses MLA attention: vLLM's CPU MLA backend calls its "
+                                      "CPU build's compiled ops (v1/attention/backends/mla/cpu_mla.py:180), absent "
+                                      "from the CUDA wheel, and FLEX_ATTENTION (the shim's) is not an MLA backend")
     except Exception as exc:   # vLLM's own words: this class cannot be built here
         traceback.print_exc()
         return {"ran": False, "why": f"{type(exc).__name__}: {first_line(exc)}"}
