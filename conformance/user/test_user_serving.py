@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conformance.core.report import Section
-from conformance.user.serving import STAND_IN, user_settings, user_wiring
+from conformance.user.serving import DEFAULT_SERVER, STAND_IN, served_with, servers, user_settings, user_wiring
 from conformance.user.test_user_draft import fail, report_once
 from conformance.user.user_draft import digest
 from conformance.user.verdict import OTHER, SETTINGS, Problem
@@ -38,6 +38,37 @@ def test_user_draft_target_wiring(user_draft, report, verdict, request):
     wiring = user_wiring(user_draft)
     for row in wiring.rows():
         report.add_row(Section.WIRING, row)
+    if wiring.problems:
+        fail_all(wiring.problems, verdict, request.node.nodeid, "\n".join(wiring.lines()))
+
+
+def other_servers() -> list[tuple[str, str | None]]:
+    """(server, model runner) for each server other than SGLang whose adapter reads the target wiring."""
+    from conformance.adapters import ADAPTERS
+    from conformance.wiring.cases import runners
+
+    return [(impl, runner) for impl in servers() if impl != DEFAULT_SERVER
+            and hasattr(ADAPTERS[impl], "served_boundaries") for runner in runners(impl)]
+
+
+@pytest.mark.parametrize("impl,runner", other_servers(), ids=lambda v: str(v))
+def test_user_draft_target_wiring_on_other_servers(impl, runner, user_draft, report, verdict, request):
+    """--serve-with vllm (or both): the layers vLLM feeds the draft as it reads the directory as written, with
+    each of its model runners (V2: a CUDA server's default; V1), on a twin of --target-config, slot by slot
+    against training's (conformance/wiring/user_wiring.py check_server_wiring)."""
+    from conformance.wiring.user_wiring import check_server_wiring, server_row
+
+    if impl not in served_with(request.config):
+        pytest.skip(f"--serve-with does not name {impl}")
+    inputs = user_draft.inputs
+    if inputs.target_file is None:
+        pytest.skip(f"no --target-config: which layers {impl} captures depends on the target's class and depth")
+    report_once(user_draft, report, verdict)
+    wiring, served = user_draft.serving(
+        f"wiring:{impl}:{runner}", lambda: check_server_wiring(impl, runner, inputs.checkpoint.path,
+                                                                inputs.target_file, inputs.trainer,
+                                                                user_draft.root / "twins"))
+    report.add_row(Section.WIRING_SERVERS, server_row(impl, runner, wiring, served))
     if wiring.problems:
         fail_all(wiring.problems, verdict, request.node.nodeid, "\n".join(wiring.lines()))
 

@@ -142,3 +142,34 @@ def test_hidden_state_dump_is_checked_against_the_target(tmp_path):
     assert [p.key for p in narrow] == ["wiring:dump-width"] and "4096" in narrow[0].evidence, narrow
     more = check_hidden_states(_dump(tmp_path / "more", (5, 5, 7168)), KIMI, wiring)
     assert [p.key for p in more] == ["wiring:dump-layers"] and "hs_0.safetensors" in more[0].where, more
+
+
+OTHER_SERVERS = ["vllm"]   # servers other than SGLang whose adapters read the target wiring
+LLAMA = REAL_CONFIGS / "target" / "meta-llama--Meta-Llama-3.1-8B.json"
+
+
+@pytest.mark.parametrize("impl", OTHER_SERVERS)   # its own lane (make vllm)
+def test_another_server_wiring_names_each_runner_and_its_fix(impl, tmp_path):
+    """--serve-with vllm: an SGLang-format draft (trained on [1, 4, 8], ids [0, 3, 7] in eagle_config, as SGLang
+    wants them) on Llama-3.1-8B is one problem per model runner: V2 reads no ids (the target's default), V1 reads
+    them as input-of-layer ids (one layer shallower); each problem's fix, the top-level ids, serves it as trained
+    on both runners, and SGLang's reading is unchanged by it (it ignores top-level ids in its own format)."""
+    from conformance.wiring.cases import runners
+    from conformance.wiring.user_wiring import check_server_wiring
+
+    trainer = speculators_trainer((1, 4, 8))
+    shipped = draft_dir(tmp_path / "shipped", [0, 3, 7])
+    seen = {runner: check_server_wiring(impl, runner, shipped, LLAMA, trainer, tmp_path / "twins")[0]
+            for runner in runners(impl)}
+    assert seen["v2"].serving == ("2", "16", "29") and seen["v1"].serving == ("embed", "3", "7"), (
+        {r: w.lines() for r, w in seen.items()})
+    for runner, wiring in seen.items():
+        assert [p.key for p in wiring.problems] == [f"wiring:{impl}:{runner}"], wiring.lines()
+        assert "[1, 4, 8]" in wiring.problems[0].fix and "eagle3_utils.py" in seen["v2"].problems[0].cause
+    fixed = draft_dir(tmp_path / "fixed", [0, 3, 7])
+    raw = json.loads((fixed / "config.json").read_text())
+    (fixed / "config.json").write_text(json.dumps({**raw, "eagle_aux_hidden_state_layer_ids": [1, 4, 8]}))
+    for runner in runners(impl):
+        wiring, served = check_server_wiring(impl, runner, fixed, LLAMA, trainer, tmp_path / "twins")
+        assert wiring.ok and served["observed"], wiring.lines()
+    assert check_user_wiring(fixed, LLAMA, trainer, tmp_path / "twins").ok

@@ -288,3 +288,64 @@ def check_hidden_states(dump_dir: Path, target_config: Path, wiring: UserWiring)
         if out:
             break   # one file shows it; the rest come from the same run
     return out
+
+
+# ---------------------------------------------------------------- another server (vLLM), per model runner
+
+def check_server_wiring(impl: str, runner: str | None, draft_dir: Path, target_config: Path, trainer: Trainer,
+                        root: Path) -> tuple[UserWiring, dict]:
+    """Which target layers another server (an adapter with `served_boundaries`: vLLM) feeds the user's draft, as
+    it reads the directory as written, with model runner `runner`, on a twin of the user's target (same class,
+    same layer count: what the capture depends on), slot by slot against training's. Returns the comparison and
+    the adapter's answer (observed by a forward of the server's target class where it runs here, else derived)."""
+    from conformance.adapters import ADAPTERS
+
+    server = f"{impl} ({runner} runner)" if runner else impl
+    try:
+        twin = target_twin(Path(target_config))
+    except TwinUnsupported as exc:
+        out = UserWiring(Path(target_config).name, trainer.describe())
+        out.problems.append(Problem(
+            f"the aux wiring on {server} cannot be checked on this target", "target model", str(exc), str(exc),
+            f"none here: check which layers {impl} captures for this draft by hand", WIRING,
+            key=f"wiring:{impl}:{runner}:no-twin", impl=impl))
+        return out, {}
+    n = twin.num_layers
+    training = tuple(trainer.training_ids(n))
+    out = UserWiring(twin.source, trainer.describe(n), n, training)
+    twin_dir = Path(root) / f"{impl}-twin"
+    twin_dir.mkdir(parents=True, exist_ok=True)
+    (twin_dir / "config.json").write_text(twin.config_text)
+    served = ADAPTERS[impl]().served_boundaries(Path(draft_dir), twin_dir / "config.json", n, runner)
+    out.read, out.error = served["read"], served["error"]
+    out.serving = () if served["served"] is None else tuple(boundary_name(b, n) for b in served["served"])
+    for j in range(max(len(out.serving), len(training))):
+        t = boundary_name(training[j], n) if j < len(training) else None
+        s = out.serving[j] if j < len(out.serving) else None
+        out.slots.append((j, t, s, None))
+    if out.error or any(t != s for _, t, s, _ in out.slots):
+        differs = [f"slot {j}: training {t or '(none)'}, serving {s or '(none)'}" for j, t, s, _ in out.slots if t != s]
+        how = ("observed: its target class's forward" if served["observed"]
+               else f"derived: {served.get('derived_why', 'no forward')}")
+        ids = [i for i in training if 0 <= i <= n]
+        out.problems.append(Problem(
+            f"{server} feeds the draft other target layers than it was trained on ({out.lists()})",
+            "aux slots (the draft's input aux_in): " + "; ".join(differs) + (f"; {out.error}" if out.error else ""),
+            f"{impl} read {served['read']} ({how})",
+            served.get("reader", ""),
+            f"write the trained boundaries as the draft config's top-level eagle_aux_hidden_state_layer_ids "
+            f"{ids} (input-of-layer ids, read as written by both of {impl}'s runners)", WIRING,
+            key=f"wiring:{impl}:{runner}", impl=impl))
+    return out, served
+
+
+def server_row(impl: str, runner: str | None, wiring: UserWiring, served: dict) -> dict:
+    """The report's row for another server's reading of the user's draft (Section.WIRING_SERVERS)."""
+    n = wiring.num_layers
+    return {"Case": "user wiring" + (f" ({runner} runner)" if runner else ""),
+            "training captured": layer_list(wiring.training, n), "SGLang feeds": "-",
+            f"{impl} read": wiring.read or "-",
+            f"{impl} feeds": f"error: {wiring.error}" if wiring.error else layer_list(wiring.serving or (), n),
+            f"{impl} how": "-" if not served else "observed: its target class ran" if served["observed"]
+            else f"derived: {served.get('derived_why', '')}",
+            f"{impl} outcome": "pass" if wiring.ok else f"FAIL: {len(wiring.problems)} problem(s)"}

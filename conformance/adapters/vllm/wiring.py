@@ -23,6 +23,15 @@ from pathlib import Path
 
 from conformance.adapters.vllm.adapter import Worker
 
+# Where each model runner reads the ids (the user verdict's cause), and the capture convention that follows.
+READER = {
+    "v2": "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:116-152 (Model Runner V2: top-level "
+          "eagle_aux_hidden_state_layer_ids, else eagle_config.layer_ids); id i = the input of layer i "
+          "(model_executor/models/llama.py:427-441)",
+    "v1": "vllm/v1/worker/gpu_model_runner.py:5190-5221 (V1 runner: top-level eagle_aux_hidden_state_layer_ids, "
+          "else eagle_config's, as written); id i = the input of layer i (model_executor/models/llama.py:427-441)",
+}
+
 # Target classes (architectures[0] of the target config) whose capture fails at boundary 0: the residual
 # is None before the first layer (deepseek_v2.py:1561-1562).
 NO_EMBEDDING_CAPTURE = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK25ForConditionalGeneration")
@@ -44,7 +53,8 @@ def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int, run
         answer = worker.ask("aux_layers", **where, work=str(worker.scratch()))
     except Exception as exc:   # vLLM refused the draft or target config: its own words, one line
         return {"read": "nothing", "ids": None, "served": None, "error": f"{type(exc).__name__}: {exc}",
-                "reading": {}, "observed": False, "derived": None, "derived_why": "vLLM refused the config"}
+                "reading": {}, "observed": False, "derived": None, "derived_why": "vLLM refused the config",
+                "reader": READER[runner]}
     ids = answer["ids"]
     used = tuple(ids) if ids is not None else tuple(answer["default"])
     where_read = ("top level or eagle_config" if runner == "v1" else
@@ -61,7 +71,7 @@ def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int, run
     if answer["v2_unsupported"] and runner == "v2":   # vLLM itself would run V1 for this config
         read += f"; note: vLLM runs its V1 runner for this config ({', '.join(answer['v2_unsupported'])})"
     derived = {"read": read, "ids": ids, "served": served, "error": error, "reading": answer["reading"],
-               "observed": False, "derived": served}
+               "observed": False, "derived": served, "reader": READER[runner]}
     seen = worker.ask("capture", **where, work=str(worker.scratch()))
     if not seen["ran"]:
         return {**derived, "derived_why": f"vLLM's target class does not run here: {seen['why']}"}
