@@ -80,24 +80,12 @@ def test_sglang_parameter_never_loaded_is_named(drafts, tmp_path):
 
 
 @pytest.mark.meta
-def test_sglang_fused_shards_are_mapped_back(drafts):
-    """q/k/v land in rows [0:nh*hd], [nh*hd:+nkv*hd], [..:+nkv*hd] of qkv_proj; gate/up in halves of gate_up."""
-    cfg = GQA.config
-    landed = dict(accounts_of(drafts, GQA)["sglang"].landed)
-    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
-    qkv, gate_up = "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"
-    assert landed["layers.0.self_attn.q_proj.weight"] == f"{qkv}[0:{q}]"
-    assert landed["layers.0.self_attn.k_proj.weight"] == f"{qkv}[{q}:{q + kv}]"
-    assert landed["layers.0.self_attn.v_proj.weight"] == f"{qkv}[{q + kv}:{q + 2 * kv}]"
-    assert landed["layers.0.mlp.up_proj.weight"] == f"{gate_up}[{inter}:{2 * inter}]"
-    assert landed["d2t"] == "hot_token_id (d2t + arange)"
-
-
-@pytest.mark.meta
-@pytest.mark.parametrize("impl", VLLM)
-def test_vllm_fused_shards_and_vocab_map_are_mapped_back(impl, drafts):
-    """vLLM (its own lane): q/k/v and gate/up land in the rows of its fused parameters the shard ids name
-    (layers/linear.py output_sizes), d2t on draft_id_to_target_id, t2d skipped by its own code."""
+@pytest.mark.parametrize("impl,d2t_lands_on", [("sglang", "hot_token_id (d2t + arange)"),
+                                               *((impl, "draft_id_to_target_id") for impl in VLLM)])
+def test_fused_shards_and_vocab_map_are_mapped_back(impl, d2t_lands_on, drafts):
+    """The servers with fused layers (SGLang; vLLM in its own lane): q/k/v land in rows [0:nh*hd],
+    [nh*hd:+nkv*hd], [..:+nkv*hd] of qkv_proj, gate/up in the halves of gate_up_proj (the rows the shard ids
+    name); d2t where each server keeps it; t2d skipped by their own code."""
     cfg = GQA.config
     acct = account_of(drafts, GQA, impl)
     landed = dict(acct.landed)
@@ -108,7 +96,7 @@ def test_vllm_fused_shards_and_vocab_map_are_mapped_back(impl, drafts):
     assert landed["layers.0.self_attn.v_proj.weight"] == f"{qkv}[{q + kv}:{q + 2 * kv}]"
     assert landed["layers.0.mlp.gate_proj.weight"] == f"{gate_up}[0:{inter}]"
     assert landed["layers.0.mlp.up_proj.weight"] == f"{gate_up}[{inter}:{2 * inter}]"
-    assert landed["d2t"] == "draft_id_to_target_id"
+    assert landed["d2t"] == d2t_lands_on
     assert acct.ignored == ["t2d"] and not acct.problems, acct.row(GQA.id)
 
 
