@@ -55,6 +55,13 @@ class Accounting:
         if not _equal(param, tensor):
             self.differs.append(where)
 
+    def land_rows(self, ckpt_name: str, pname: str, param: torch.Tensor, rows, tensor: torch.Tensor) -> None:
+        """`ckpt_name` reached parameter `pname`, or only its rows [start, end) of a fused one (`rows`)."""
+        if rows is None:
+            self.land(ckpt_name, pname, param, tensor)
+        else:
+            self.land(ckpt_name, f"{pname}[{rows[0]}:{rows[1]}]", param[rows[0]:rows[1]], tensor)
+
     def land_by_name(self, ckpt: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
                      training_only: frozenset[str] = frozenset()) -> None:
         """For a loader that keys parameters by name: each checkpoint tensor landed on the parameter of its name

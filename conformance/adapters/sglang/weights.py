@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from conformance.checkpoints import WEIGHTS_FILE
-from conformance.loading.accounting import (Accounting, checkpoint_tensors, finite, observed_knobs, rope_text,
-                                           vocab_map)
+from conformance.loading.accounting import Accounting, finite, load_and_count, observed_knobs, rope_text, vocab_map
+from conformance.loading.observed_loaders import observed_weight_loaders
 
 # SGLang's rotary classes by the rope_type they implement (layers/rotary_embedding/).
 ROPE_TYPES = {"RotaryEmbedding": "default", "LinearScalingRotaryEmbedding": "linear",
@@ -24,49 +24,27 @@ def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None) ->
     """`adapter` (SGLangAdapter) loads `ckpt_dir`; its load is replayed, observed, and accounted for."""
     from sglang.srt.model_loader.weight_utils import default_weight_loader, safetensors_weights_iterator
 
-    acct = Accounting(adapter.name)
-    ckpt = checkpoint_tensors(ckpt_dir)
-    acct.tensors = len(ckpt)
-    try:
-        loaded = adapter.load(ckpt_dir, dtype)
-    except Exception as exc:
-        return acct.refuse(exc, ckpt_dir)
+    acct, ckpt, loaded = load_and_count(adapter.name, ckpt_dir, lambda: adapter.load(ckpt_dir, dtype))
+    if loaded is None:
+        return acct
     model = loaded.model
     params = dict(model.named_parameters())
     calls: list[tuple[str, str, object]] = []   # (checkpoint tensor, parameter, shard id)
     current: list[str] = [""]
-
-    def recording(pname, loader):
-        def weight_loader(param, loaded_weight, *args):
-            calls.append((current[0], pname, args[0] if args else None))
-            return loader(param, loaded_weight, *args)
-        return weight_loader
-
-    had = {name: "weight_loader" in vars(p) for name, p in params.items()}
-    originals = {name: getattr(p, "weight_loader", default_weight_loader) for name, p in params.items()}
-    for name, p in params.items():
-        p.weight_loader = recording(name, originals[name])
 
     def named_weights():
         for name, tensor in safetensors_weights_iterator([str(ckpt_dir / WEIGHTS_FILE)]):
             current[0] = name
             yield name, tensor
 
-    try:   # the same load the adapter just did, observed: values are rewritten with themselves
+    # the same load the adapter just did, observed: values are rewritten with themselves
+    with observed_weight_loaders(params, default_weight_loader,
+                                 lambda pname, tensor, shard: calls.append((current[0], pname, shard))):
         model.load_weights(named_weights())
-    finally:
-        for name, p in params.items():
-            if had[name]:
-                p.weight_loader = originals[name]
-            else:
-                del p.weight_loader
 
     reached = {c for c, _, _ in calls}
     for ckpt_name, pname, shard in calls:
-        param = params[pname]
-        rows = _shard_rows(model, pname, shard)
-        where = pname if rows is None else f"{pname}[{rows[0]}:{rows[1]}]"
-        acct.land(ckpt_name, where, param if rows is None else param[rows[0]:rows[1]], ckpt[ckpt_name])
+        acct.land_rows(ckpt_name, pname, params[pname], _shard_rows(model, pname, shard), ckpt[ckpt_name])
     for name in sorted(ckpt):
         if name in reached:
             continue

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conformance.checkpoints import WEIGHTS_FILE
-from conformance.loading.accounting import load_and_count, observed_knobs, rope_text, vocab_map
+from conformance.loading.accounting import finite, load_and_count, observed_knobs, rope_text, vocab_map
 
 # Where vLLM's proposer takes a module the checkpoint lacks from the target (llm_base_proposer.py:1418-1523).
 SHARED = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
@@ -34,17 +34,14 @@ def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None):
         return acct
     loaded, answer, params = got
     for ckpt_name, pname, rows in answer["calls"]:
-        param = params[pname]
-        where = pname if rows is None else f"{pname}[{rows[0]}:{rows[1]}]"
-        acct.land(ckpt_name, where, param if rows is None else param[rows[0]:rows[1]],
-                  ckpt.get(ckpt_name, torch.empty(0)))
+        acct.land_rows(ckpt_name, pname, params[pname], rows, ckpt.get(ckpt_name, torch.empty(0)))
     reached = {name for name, _, _ in answer["calls"]}
     for name in sorted(set(ckpt) - reached):
         # t2d is skipped by its own code (llama_eagle3.py:426-427); anything else reached nothing
         (acct.ignored if "t2d" in name else acct.dropped).append(name)
     shared = {SHARED[what] for what, own in answer["own"].items() if not own}
     never = sorted(set(params) - {pname for _, pname, _ in answer["calls"]} - shared)
-    acct.nan = sorted(n for n, p in params.items() if p.is_floating_point() and not bool(torch.isfinite(p).all()))
+    acct.nan = sorted(n for n, p in params.items() if not finite(p))
     sizes = answer["sizes"]
     acct.vocab_map = vocab_map(ckpt, sizes["vocab"], sizes["draft_vocab"])
     acct.uses = uses(answer, target)

@@ -2,7 +2,8 @@
 environment (.venv-vllm: `python worker.py`). One persistent process per test session (importing vLLM
 takes 30-50 s); adapter.py drives it over a pipe: one JSON request per line in, one JSON answer per line
 out, tensors through safetensors files. Self-contained: it imports nothing of the project (whose
-environment pins another torch and transformers), only vLLM, torch, safetensors and shims.py next to it.
+environment pins another torch and transformers), only vLLM, torch, safetensors, shims.py next to it and the
+project's self-contained conformance/loading/observed_loaders.py.
 
 What is vLLM's and what is the harness's:
 - vLLM's: the config (EngineArgs -> create_engine_config, with its readers of the SGLang and speculators
@@ -39,7 +40,9 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loading"))   # observed_loaders.py: self-contained
 import shims  # noqa: E402
+from observed_loaders import observed_weight_loaders  # noqa: E402
 
 import vllm  # noqa: E402
 
@@ -192,6 +195,7 @@ def account(req: dict) -> dict:
 
     answer = load(req)
     loaded: Loaded = STATE["loaded"][answer["handle"]]
+    loaded.watch_runs()   # the adapter's probe run then says which modules run (`ran`)
     model = loaded.model
     params = dict(model.named_parameters())
     with safe_open(req["weights"], framework="pt") as f:
@@ -199,26 +203,12 @@ def account(req: dict) -> dict:
     by_storage = {t.untyped_storage().data_ptr(): name for name, t in ckpt.items()}
     calls: list[list] = []
 
-    def recording(pname, loader):
-        def weight_loader(param, loaded_weight, *args):
-            name = by_storage.get(loaded_weight.untyped_storage().data_ptr(), "<not a checkpoint tensor>")
-            calls.append([name, pname, shard_rows(model, pname, args[0] if args else None)])
-            return loader(param, loaded_weight, *args)
-        return weight_loader
+    def record(pname, tensor, shard):
+        name = by_storage.get(tensor.untyped_storage().data_ptr(), "<not a checkpoint tensor>")
+        calls.append([name, pname, shard_rows(model, pname, shard)])
 
-    had = {name: "weight_loader" in vars(p) for name, p in params.items()}
-    originals = {name: getattr(p, "weight_loader", default_weight_loader) for name, p in params.items()}
-    for name, p in params.items():
-        p.weight_loader = recording(name, originals[name])
-    try:
-        with torch.no_grad():
-            model.load_weights(iter(ckpt.items()))
-    finally:
-        for name, p in params.items():
-            if had[name]:
-                p.weight_loader = originals[name]
-            else:
-                del p.weight_loader
+    with observed_weight_loaders(params, default_weight_loader, record), torch.no_grad():
+        model.load_weights(iter(ckpt.items()))
     save_file({name: p.detach().contiguous().clone() for name, p in params.items()}, req["params"])
     return {**answer, "calls": calls, "knobs": built_knobs(model),
             "own": {"embed_tokens": bool(getattr(model, "has_own_embed_tokens", True)),
@@ -279,10 +269,12 @@ class Loaded:
         self.attn = attn
         self.backend = attn[0].attn_backend
         self.recorder = Recorder(model)
-        # The modules holding parameters that ran in some forward (weight accounting: a parameter never loaded
-        # that nothing uses is not a loading problem).
-        self.ran: set[str] = set()
-        for name, module in model.named_modules():
+        self.ran: set[str] = set()   # filled only for a draft being accounted for (watch_runs)
+
+    def watch_runs(self) -> None:
+        """From now on, record the modules holding parameters that run in a forward (weight accounting: a
+        parameter never loaded that nothing uses is not a loading problem)."""
+        for name, module in self.model.named_modules():
             if next(module.parameters(recurse=False), None) is not None:
                 module.register_forward_hook(lambda m, a, o, name=name: self.ran.add(name))
 
