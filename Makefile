@@ -17,7 +17,7 @@ $(VENV)/.installed: requirements.lock
 
 venv: $(VENV)/.installed
 
-# The lanes run their test files on $(WORKERS) processes (pytest-xdist; conformance/core/parallel.py): one
+# The lanes run their test files on $(WORKERS) processes (pytest-xdist; conformance/session/parallel.py): one
 # file's models are built in one process, the engine lane's files stay together, the report is merged into
 # one, identical to a single process's. WORKERS=0 runs in this process only.
 WORKERS ?= 2
@@ -82,7 +82,7 @@ bench-compare: venv
 
 # Refresh the README's support matrix from the known-divergence registry.
 support-matrix: venv
-	$(PY) -m conformance.core.support_matrix --write-readme
+	$(PY) -m conformance.session.support_matrix --write-readme
 
 clean-venv:
 	rm -rf $(VENV)

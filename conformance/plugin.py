@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from conformance.core.report import Report, versions
+from conformance.session.report import Report
+
+from conformance.adapters import versions
 from conformance.user.serving import DEFAULT_SERVER as SERVE_WITH_DEFAULT
-from conformance.core.report_render import terminal_lines
+from conformance.session.report_render import terminal_lines
 
 
 # Hypothesis profiles: `ci` (the default: derandomized, so every run draws the same examples), `dev`
@@ -86,7 +88,7 @@ def pytest_report_header(config):
 @pytest.hookimpl(optionalhook=True)   # a pytest-xdist hook: --dist loadfile keeps the engine lane's files together
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") == "loadfile":
-        from conformance.core.parallel import FileGroupScheduling
+        from conformance.session.parallel import FileGroupScheduling
 
         return FileGroupScheduling(config, log)
     return None
@@ -156,7 +158,7 @@ def report() -> Report:
 
 @pytest.fixture(scope="session")
 def drafts(tmp_path_factory):
-    from conformance.core.harness import DraftStore
+    from conformance.session.harness import DraftStore
 
     return DraftStore(tmp_path_factory.mktemp("checkpoints"))
 
@@ -236,7 +238,7 @@ def verdict(request):
 @pytest.fixture(scope="session")
 def user_draft(request, tmp_path_factory):
     """A UserDraftStore whose case `user_draft` is --draft-checkpoint (or, without it, a fixture draft)."""
-    from conformance.user.user_draft import make_user_store
+    from conformance.user.store import make_user_store
 
     return make_user_store(request.config, tmp_path_factory.mktemp("user_draft"))
 
@@ -263,8 +265,8 @@ def wiring(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_draft():
-    """The tiny draft trained with speculators' training code (fixtures/trained_draft.py), cached."""
-    from fixtures.trained_draft import trained_draft as build
+    """The tiny draft trained with speculators' training code (conformance/acceptance/trained_draft.py), cached."""
+    from conformance.acceptance.trained_draft import trained_draft as build
 
     return build()
 

@@ -19,9 +19,10 @@ from conformance.acceptance.faults import FAULT_REQUESTS, Fault, plant, served_a
 from conformance.acceptance.stagewise import first_divergence, right_padded, round_rows
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import Drafter
-from conformance.adapters.speculators.training import heldout_metrics, scored_starts, speculators_items
+from conformance.adapters.speculators.adapter import heldout_metrics
+from conformance.adapters.speculators.training import scored_starts, speculators_items
 from conformance.core.compare import Comparison
-from fixtures.trained_draft import GreedyTarget, TrainedDraft, one_thread
+from conformance.acceptance.trained_draft import GreedyTarget, TrainedDraft, one_thread
 from reference.eagle3 import DraftBatch
 from reference.speculative import AcceptStats, accepted_drafts, predicted_accept_length
 

@@ -18,7 +18,7 @@ import torch
 
 from conformance.acceptance.acceptance import PREDICTOR, Prediction, Request, Simulation
 from conformance.acceptance.stagewise import round_divergence
-from fixtures.trained_draft import GreedyTarget, TrainedDraft
+from conformance.acceptance.trained_draft import GreedyTarget, TrainedDraft
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conformance.checkpoints import WEIGHTS_FILE
-from fixtures.trained_draft import TrainedDraft
+from conformance.acceptance.trained_draft import TrainedDraft
 
 
 def _fc_passes_first_chunk(w: dict) -> None:

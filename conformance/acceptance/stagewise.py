@@ -12,7 +12,7 @@ import torch
 from conformance.adapters import ADAPTERS, REFERENCE
 from conformance.checkpoints.training_data import teacher_forced_ids
 from conformance.core.compare import Comparison, compare_traces
-from fixtures.trained_draft import GreedyTarget, TrainedDraft, one_thread
+from conformance.acceptance.trained_draft import GreedyTarget, TrainedDraft, one_thread
 from reference.eagle3 import DraftBatch
 
 

@@ -21,7 +21,7 @@ from conformance.acceptance.exact import (draft_mismatches, drafts_message, row_
 from conformance.acceptance.faults import FAULT_REQUESTS, FAULTS
 from conformance.acceptance.stagewise import first_divergence
 from conformance.adapters import IMPLEMENTATIONS, REFERENCE
-from conformance.core.report import Section
+from conformance.core.sections import Section
 from conformance.core.tolerances import ACCEPT_LENGTH_Z, accept_length_tolerance
 from reference.speculative import AcceptStats
 

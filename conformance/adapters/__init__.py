@@ -1,11 +1,19 @@
 """Registry of the implementations under test: one line per adapter (each imports its implementation
 lazily). Everything an area needs to know about an implementation is on its adapter (base.py)."""
+import platform
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
 from conformance.adapters.base import lane_of
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.sglang import SGLangAdapter
 from conformance.adapters.specforge import SpecForgeAdapter
 from conformance.adapters.speculators import SpeculatorsAdapter
 from conformance.adapters.vllm import VLLMAdapter
+from conformance.core import registry
+from conformance.loading.accounting import Accounting
 
 ADAPTERS = {a.name: a for a in (ReferenceAdapter, SpeculatorsAdapter, SGLangAdapter, SpecForgeAdapter, VLLMAdapter)}
 REFERENCE = ReferenceAdapter.name                                  # what every implementation is compared against
@@ -13,3 +21,27 @@ REFERENCE = ReferenceAdapter.name                                  # what every 
 # lane of their own, e.g. `pytest -m vllm`: their adapter's `lane`; loops inside default-lane tests use these).
 ALL_IMPLEMENTATIONS = tuple(name for name in ADAPTERS if name != REFERENCE)
 IMPLEMENTATIONS = tuple(name for name in ALL_IMPLEMENTATIONS if lane_of(ADAPTERS[name]) == "cpu")
+# The registry's entries hold per implementation and installed version: it learns both from here.
+registry.use_implementations({name: ADAPTERS[name].version for name in ALL_IMPLEMENTATIONS})
+
+TOOLING = ("transformers", "safetensors", "hypothesis", "pytest")   # besides torch and the implementations
+
+
+def versions() -> dict[str, str]:
+    """Python and the installed version of every package under test, by package name."""
+    out = {"python": platform.python_version()}
+    for name in ("torch", *(a.package for a in ADAPTERS.values() if a.package), *TOOLING):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    for a in ADAPTERS.values():   # an implementation in an environment of its own (e.g. vLLM) knows its version
+        if a.package and out[a.package] == "not installed":
+            out[a.package] = a.version() or "not installed"
+    return out
+
+
+def account(impl: str, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None) -> Accounting:
+    """Load `ckpt_dir` (in `impl`'s own format) through `impl`'s adapter and account for every tensor
+    (each adapter's `account`). `target`: the target's config (hidden_size, vocab_size), when known."""
+    return ADAPTERS[impl]().account(Path(ckpt_dir), dtype, target)

@@ -7,7 +7,9 @@ from typing import ClassVar
 
 import torch
 
-from conformance.adapters.base import Drafter, TimedPass, Trace, batch_on, chain_drafter, installed_version
+from conformance.adapters.base import Drafter, TimedPass, batch_on, chain_drafter, installed_version
+
+from conformance.core.trace import Trace
 from conformance.checkpoints import read_config, read_weights
 from conformance.core import stages
 from conformance.loading.accounting import Accounting, checkpoint_tensors, observed_knobs, rope_text, vocab_map

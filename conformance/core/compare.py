@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conformance.core import stages as S
-from conformance.adapters.base import Trace
+from conformance.core.trace import Trace
 from conformance.core.tolerances import Tol, allowed_error, dtype_name, tol_for
 
 OK, DIVERGED, MISSING, ABSENT = "ok", "diverged", "missing", "absent"

@@ -14,17 +14,15 @@ import ast
 import dataclasses
 import re
 import tomllib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
-from importlib import metadata
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from packaging.specifiers import SpecifierSet
 
 from conformance.core.stages import TREE, TREE_FINAL, stage_names
-from fixtures.cases import DraftCase
 from reference.eagle3 import Eagle3Config
 
 REGISTRY_FILE = Path(__file__).with_name("registry.toml")
@@ -122,22 +120,31 @@ def _compiled(condition: str, area: str):
     return compile(tree, "<registry.toml>", "eval")
 
 
-def adapter_package(impl: str) -> str | None:
-    """The distribution an adapter's version comes from (None: the reference, which has no entries)."""
-    from conformance.adapters import ADAPTERS   # here, not at import: adapters may read the registry
+# The implementations under test, each with how it reads its installed version (None: not installed). The adapters
+# give them (conformance/adapters/__init__.py calls use_implementations), so this ground floor imports no adapter.
+_IMPLEMENTATIONS: dict[str, Callable[[], str | None]] = {}
 
-    return ADAPTERS[impl].package
+
+def use_implementations(versions: Mapping[str, Callable[[], str | None]]) -> None:
+    """Name the implementations under test (the reference, which has no package and no entries, is left out) and
+    check every entry's `impl` against them: RegistryError naming the entry and the field."""
+    _IMPLEMENTATIONS.clear()
+    _IMPLEMENTATIONS.update(versions)
+    installed_version.cache_clear()
+    for n, entry in enumerate(REGISTRY, 1):
+        _check_impl(entry.impl, f"{REGISTRY_FILE.name}: entry #{n} ({entry.id})")
+
+
+def _check_impl(impl: str, where: str) -> None:
+    if impl not in _IMPLEMENTATIONS:
+        raise RegistryError(f"{where}: field 'impl': {impl!r} is not an implementation under test")
 
 
 @cache
 def installed_version(impl: str) -> str | None:
-    package = adapter_package(impl)
-    try:
-        return None if package is None else metadata.version(package)
-    except metadata.PackageNotFoundError:   # an implementation in an environment of its own (vLLM) knows its version
-        from conformance.adapters import ADAPTERS
-
-        return ADAPTERS[impl].version()
+    if not _IMPLEMENTATIONS:   # a caller that never imported conformance.adapters: no entry could hold, loudly
+        raise RegistryError("registry: no implementations given (import conformance.adapters first)")
+    return _IMPLEMENTATIONS[impl]() if impl in _IMPLEMENTATIONS else None
 
 
 # ---------------------------------------------------------------- reading and validating
@@ -160,10 +167,8 @@ def _check(item: dict, area: str, where: str, stage_ok) -> None:
         elif field not in ("step", "tensors", "neutral", "neutral_weights") and field in item and not isinstance(
                 value, str):
             bad(field, f"{value!r} is not a string")
-    from conformance.adapters import ADAPTERS   # here, not at import: adapters may read the registry
-
-    if item["impl"] not in ADAPTERS or adapter_package(item["impl"]) is None:
-        bad("impl", f"{item['impl']!r} is not an implementation under test")
+    if _IMPLEMENTATIONS:   # the registry read at import is checked when the adapters name them (use_implementations)
+        _check_impl(item["impl"], where)
     try:
         SpecifierSet(item["versions"])
     except Exception as exc:
@@ -242,6 +247,17 @@ def load_registry(path: Path = REGISTRY_FILE) -> tuple[Known, ...]:
 
 
 REGISTRY: tuple[Known, ...] = load_registry()
+
+
+class DraftCase(Protocol):
+    """What the registry reads of a draft case (fixtures/cases.py DraftCase): its knobs and server flags."""
+
+    id: str
+    overrides: tuple[tuple[str, object], ...]
+    sglang_args: tuple[tuple[str, object], ...]
+
+    @property
+    def config(self) -> Eagle3Config: ...
 
 
 # ---------------------------------------------------------------- which entries apply

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
-from conformance.adapters.base import Trace
+from conformance.core.trace import Trace
 from conformance.core.compare import compare_traces
 from conformance.checkpoints import WEIGHTS_FILE
 from fixtures.checkpoint import write_checkpoints

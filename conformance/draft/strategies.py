@@ -11,19 +11,13 @@ into the configurations to run: "clean" comes from the registry (each applicable
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import re
-from pathlib import Path
 
-import torch
 from hypothesis import strategies as st
 
 from conformance.adapters import IMPLEMENTATIONS
-from conformance.core.harness import DraftStore
-from conformance.core.registry import Neutralised, RegistryError, for_case, neutralised
-from fixtures.checkpoint import edited_copy
+from conformance.core.registry import Neutralised, for_case, neutralised
 from fixtures.cases import DraftCase
 from fixtures.tiny import ROPE_SCALINGS
 from reference.eagle3 import Eagle3Config
@@ -100,38 +94,6 @@ def label(variant: Neutralised, drawn: DraftCase) -> str:
     changed = [f"{k}={v}" for k, v in variant.case.overrides + variant.case.sglang_args if before.get(k, ...) != v]
     changed += [f"/{p}/ = 1" for p in variant.unit_weights]
     return f"neutralised {', '.join(changed)} ({', '.join(e.id for e in variant.entries)})"
-
-
-class NeutralStore(DraftStore):
-    """A DraftStore whose checkpoints of a neutralised case have its `neutral_weights` tensors set to ones, in
-    every format: the same draft for every implementation and the reference."""
-
-    def __init__(self, root: Path, device: str = "cpu"):
-        super().__init__(root, device)
-        self.unit_weights: dict[str, tuple[str, ...]] = {}
-
-    def use(self, variant: Neutralised) -> DraftCase:
-        self.unit_weights[variant.case.id] = variant.unit_weights
-        return variant.case
-
-    def checkpoint(self, case: DraftCase) -> dict[str, Path]:
-        paths, patterns = super().checkpoint(case), self.unit_weights.get(case.id)
-        if not patterns:
-            return paths
-        out = {}
-        for fmt, path in paths.items():
-            out[fmt] = self.root / f"{case.id}-unit-weights" / fmt
-            if not out[fmt].exists():
-                edited_copy(path, out[fmt], functools.partial(_set_ones, patterns=patterns, where=f"{case.id} ({fmt})"))
-        return out
-
-
-def _set_ones(weights: dict, patterns: tuple[str, ...], where: str) -> None:
-    for pattern in patterns:
-        names = [n for n in weights if re.search(pattern, n)]
-        if not names:
-            raise RegistryError(f"neutral_weights /{pattern}/ names no tensor of the checkpoint of {where}")
-        weights.update({n: torch.ones_like(weights[n]) for n in names})
 
 
 def describe(config: Eagle3Config) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.adapters import IMPLEMENTATIONS
-from conformance.core.harness import DraftStore, assert_conforms, conformance_params
+from conformance.session.harness import DraftStore, assert_conforms, conformance_params
 from fixtures.cases import DraftCase
 from fixtures.real_shapes import KIMI_K25, LLAMA31_8B
 

@@ -15,9 +15,9 @@ import dataclasses
 import pytest
 
 from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
-from conformance.adapters.base import Trace
+from conformance.core.trace import Trace
 from conformance.core.compare import compare_traces
-from conformance.core.harness import assert_conforms, conformance_params
+from conformance.session.harness import assert_conforms, conformance_params
 from conformance.core.tolerances import DTYPES
 from fixtures.cases import CASES_BY_ID, MULTISTEP_CASES
 

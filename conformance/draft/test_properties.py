@@ -20,12 +20,14 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
-from conformance.core.harness import LoadFailed, compare_with_reference
+from conformance.session.harness import LoadFailed, compare_with_reference
 from conformance.core.matching import deciding, match_forward, match_load
 from conformance.core.registry import Known, Neutralised, for_case
-from conformance.core.report import Report, Section
+from conformance.session.report import Report
+from conformance.core.sections import Section
 from conformance.core.tolerances import DTYPES
-from conformance.draft.strategies import NeutralStore, describe, draw_example, label, variants
+from conformance.draft.strategies import describe, draw_example, label, variants
+from conformance.session.harness import NeutralStore
 from fixtures.cases import CASES_BY_ID, DraftCase
 from fixtures.checkpoint import edited_copy
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
-from conformance.core.harness import assert_conforms, conformance_params
+from conformance.session.harness import assert_conforms, conformance_params
 from conformance.checkpoints import (WRITABLE, CheckpointError, ConversionError, config_json, parse_config,
                                     read_config_file, read_target_config)
 from fixtures.real_configs import (NOT_A_DRAFT, draft_config_files, file_id, real_twin_cases, shrink,

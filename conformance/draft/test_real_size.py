@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.core.report import Section
+from conformance.core.sections import Section
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ("llama31_8b", "kimi_k25")

@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from conformance.adapters.base import Trace
+from conformance.core.trace import Trace
 from conformance.adapters.specforge.adapter import PaddedRows, SpecForgeAdapter
 from conformance.adapters.specforge.shims import torch_loss
 from conformance.checkpoints import CONFIG_FILE, read_weights, write_draft

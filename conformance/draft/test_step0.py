@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.adapters import ALL_IMPLEMENTATIONS
-from conformance.core.harness import assert_conforms, conformance_params
+from conformance.session.harness import assert_conforms, conformance_params
 from conformance.core.tolerances import DTYPES
 from fixtures.cases import STEP0_CASES
 

@@ -42,11 +42,11 @@ from torch.utils._pytree import tree_leaves
 
 from conformance.core import stages
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import Trace
+from conformance.core.trace import Trace
 from conformance.adapters.sglang.drafting import draft_kv_layout, eager_tree_helpers
 from conformance.core.compare import Comparison, compare_traces, compare_tensors
 from conformance.core.matching import known_param, match_forward, settle
-from conformance.core.report import Section
+from conformance.core.sections import Section
 from conformance.draft.tree_cases import TREE_CASES, TreeCase, known_tree
 from fixtures.cases import CASES_BY_ID
 from reference.tree import draft_tree

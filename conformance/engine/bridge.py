@@ -21,7 +21,7 @@ from fractions import Fraction
 import torch
 
 from conformance.acceptance.acceptance import Prediction
-from conformance.core.report_render import ACCEPT_COLUMNS
+from conformance.core.sections import ACCEPT_COLUMNS
 from conformance.engine.findings import RequestFinding, scenario_findings
 from conformance.engine.lane import EngineLane
 from conformance.engine.scenarios import GROUPS

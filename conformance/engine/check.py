@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from conformance.adapters.base import Trace
+from conformance.core.trace import Trace
 from conformance.core import stages as S
 from conformance.core.compare import ABSENT, DIVERGED, OK, Comparison, StageResult, compare_traces
 from conformance.core.tolerances import tol_for

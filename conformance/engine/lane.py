@@ -18,7 +18,7 @@ from conformance.adapters.sglang.engine import Served, ServedEngine, read_events
 from conformance.engine.scenarios import EngineGroup, Prompt, Scenario
 from conformance.engine.served import ServedRound, served_rounds
 from conformance.engine.simulate import ReferenceRound, chain_rounds, tree_rounds
-from fixtures.trained_draft import TrainedDraft
+from conformance.acceptance.trained_draft import TrainedDraft
 
 
 @dataclass

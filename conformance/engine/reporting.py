@@ -1,13 +1,13 @@
-"""The engine lane's report rows (conformance/core/report.py Section.ENGINE*)."""
+"""The engine lane's report rows (conformance/core/sections.py Section.ENGINE*)."""
 from __future__ import annotations
 
 from conformance.adapters.sglang.engine_shims import SHIMS
-from conformance.core.report import Report, Section
+from conformance.core.sections import Recorder, Section
 from conformance.engine.findings import RequestFinding
 from conformance.engine.lane import GroupRun
 
 
-def record_group(report: Report, run: GroupRun, recorded: set) -> None:
+def record_group(report: Recorder, run: GroupRun, recorded: set) -> None:
     """Once per engine: the server arguments requested and as SGLang resolved them, the timings, and (once
     per session) the shims with what each changes and what the scheduler process reported doing."""
     if run.group.id in recorded:
@@ -34,7 +34,7 @@ def record_group(report: Report, run: GroupRun, recorded: set) -> None:
                                                   "in the scheduler": run.shims.get(name, "server argument")})
 
 
-def record_request(report: Report, scenario_id: str, finding: RequestFinding, new_tokens: int) -> None:
+def record_request(report: Recorder, scenario_id: str, finding: RequestFinding, new_tokens: int) -> None:
     served, ref = finding.served_stats, finding.reference_stats(new_tokens)
     first = None if finding.divergence is None else finding.divergence.first_divergence
     meta = finding.request.served.meta
@@ -49,7 +49,7 @@ def record_request(report: Report, scenario_id: str, finding: RequestFinding, ne
         f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`"})
 
 
-def record_accept_rows(report: Report, rows: dict, recorded: set) -> None:
+def record_accept_rows(report: Recorder, rows: dict, recorded: set) -> None:
     """Once per session: the accept-length bridge, one row per chain K (conformance/engine/bridge.py)."""
     if "accept rows" in recorded:
         return

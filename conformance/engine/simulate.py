@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from conformance.acceptance.acceptance import draft_and_verify
-from conformance.adapters.base import Trace
-from fixtures.trained_draft import GreedyTarget, one_thread
+from conformance.core.trace import Trace
+from conformance.acceptance.trained_draft import GreedyTarget, one_thread
 from reference.eagle3 import DraftBatch
 from reference.tree import draft_tree
 

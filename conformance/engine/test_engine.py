@@ -14,7 +14,7 @@ import pytest
 
 from conformance.core.matching import KnownDivergenceHit, match_forward, settle
 from conformance.core.registry import applicable
-from conformance.core.report import Section
+from conformance.core.sections import Section
 from conformance.engine.bridge import accept_rows, bridge_failures, served_ks
 from conformance.engine.check import compare_tree_round
 from conformance.engine.findings import scenario_findings

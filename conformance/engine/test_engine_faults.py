@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.core.report import Section
+from conformance.core.sections import Section
 from conformance.engine.faults import CRASH, FAULT_PROMPT, FAULTS
 from conformance.engine.findings import lane_failures, scenario_findings
 from conformance.engine.reporting import record_group

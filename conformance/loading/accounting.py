@@ -182,15 +182,6 @@ def vocab_map(ckpt: dict[str, torch.Tensor], vocab_size: int, draft_vocab_size: 
 
 # ---------------------------------------------------------------- per implementation
 
-def account(impl: str, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None) -> Accounting:
-    """Load `ckpt_dir` (in `impl`'s own format) through `impl`'s adapter and account for every tensor
-    (each adapter's `account`). `target`: the target's config (hidden_size, vocab_size), when known."""
-    # Imported here: the adapters import this module for the Accounting type and its helpers.
-    from conformance.adapters import ADAPTERS
-
-    return ADAPTERS[impl]().account(Path(ckpt_dir), dtype, target)
-
-
 def rope_text(kind: str, theta) -> str:
     """One implementation's RoPE as the knob table shows it."""
     return f"{kind}, theta {float(theta):g}"

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.core.report import Section
-from conformance.loading.accounting import account, knob_rows, vocab_map_problems
+from conformance.core.sections import Section
+from conformance.loading.accounting import knob_rows, vocab_map_problems
+from conformance.adapters import account
 from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS, IMPLEMENTATIONS
 from conformance.core.matching import known_param, settle_accounting
 from conformance.core.registry import for_accounting

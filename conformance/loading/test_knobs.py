@@ -12,7 +12,8 @@ import torch
 
 from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS, IMPLEMENTATIONS, REFERENCE
 from conformance.adapters.sglang import weights
-from conformance.loading.accounting import account, checkpoint_tensors, knob_rows
+from conformance.loading.accounting import checkpoint_tensors, knob_rows
+from conformance.adapters import account
 from fixtures.cases import CASES_BY_ID
 from conformance.meta.plants import honouring_norm_before_residual
 

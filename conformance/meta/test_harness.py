@@ -82,7 +82,7 @@ def test_residual_after_norm_is_named(drafts):
 
     ckpt = drafts.checkpoint(GQA)["speculators"]
     planted = Eagle3Reference(replace(GQA.config, norm_before_residual=True), read_weights(ckpt), torch.float32)
-    from conformance.adapters.base import Trace
+    from conformance.core.trace import Trace
     expected = drafts.trace("reference", GQA, torch.float32)
     actual = Trace("planted", torch.float32, planted.run(drafts.batch(GQA)), [{}],
                    claimed_stages=expected.claimed_stages, num_layers=expected.num_layers)

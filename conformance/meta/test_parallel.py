@@ -1,4 +1,4 @@
-"""Parallel runs (conformance/core/parallel.py): a report merged from several processes is the report one
+"""Parallel runs (conformance/session/parallel.py): a report merged from several processes is the report one
 process writes, and the engine lane's files are scheduled as one unit."""
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from conformance.core.parallel import scope
-from conformance.core.report import Report, Section
+from conformance.session.parallel import scope
+from conformance.session.report import Report
+from conformance.core.sections import Section
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 

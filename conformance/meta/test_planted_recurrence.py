@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import Trace
+from conformance.core.trace import Trace
 from conformance.core.compare import compare_traces
 from conformance.meta.test_harness import assert_names_stage
 from fixtures.cases import CASES_BY_ID

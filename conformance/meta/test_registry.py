@@ -17,12 +17,12 @@ import torch
 
 import conformance.core.registry as registry
 from conformance.adapters import ADAPTERS
-from conformance.core.harness import LoadFailed, assert_conforms, compare_with_reference, conformance_params
+from conformance.session.harness import LoadFailed, assert_conforms, compare_with_reference, conformance_params
 from conformance.core.matching import (
     KnownDivergenceHit, accounting_problems, deciding, match_load, match_wiring, settle_accounting,
 )
 from conformance.core.registry import REGISTRY, Known, RegistryError, for_accounting, for_case, load_registry
-from conformance.core.report import Report
+from conformance.session.report import Report
 from conformance.core.tolerances import DTYPES
 from fixtures.cases import ALL_CASES, CASES_BY_ID
 
@@ -218,7 +218,7 @@ def test_a_wiring_entry_does_not_hide_another_kind_of_mismatch(wiring, repro):
 def test_accounting_entries_still_name_their_tensors(entry, drafts):
     """Every case the entry applies to, in every dtype: each of its tensor patterns names a tensor with
     its problem."""
-    from conformance.loading.accounting import account
+    from conformance.adapters import account
 
     cases = [c for c in ALL_CASES if entry in for_accounting(entry.impl, c)]
     assert cases, f"{entry.id}: applies to no case"
@@ -235,7 +235,7 @@ def test_accounting_entries_still_name_their_tensors(entry, drafts):
 
 def test_an_accounting_entry_does_not_hide_another_dropped_tensor(drafts, tmp_path, repro):
     """SGLang drops the q/k/v biases (registered); a planted unknown tensor it drops too must fail."""
-    from conformance.loading.accounting import account
+    from conformance.adapters import account
     from fixtures.checkpoint import edited_copy
 
     case = CASES_BY_ID["attention_bias"]
@@ -325,7 +325,7 @@ def test_a_malformed_registry_is_a_one_line_error(text, field, tmp_path: Path):
 
 
 def test_readme_support_matrix_is_current():
-    from conformance.core.support_matrix import README, readme_block
+    from conformance.session.support_matrix import README, readme_block
 
     assert readme_block() in README.read_text(), "README's support matrix is stale: run `make support-matrix`"
 
@@ -334,7 +334,7 @@ def test_readme_support_matrix_is_current():
 
 @pytest.fixture(scope="module")
 def neutral_store(tmp_path_factory):
-    from conformance.draft.strategies import NeutralStore
+    from conformance.session.harness import NeutralStore
 
     return NeutralStore(tmp_path_factory.mktemp("neutralised"))
 

@@ -11,8 +11,9 @@ import torch
 
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
 from conformance.core.compare import compare_traces
-from conformance.core.report import CHART_FILE, Report, Section
-from conformance.core.report_render import terminal_lines
+from conformance.session.report import CHART_FILE, Report
+from conformance.core.sections import Section
+from conformance.session.report_render import terminal_lines
 from fixtures.cases import CASES_BY_ID
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]

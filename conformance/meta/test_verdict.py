@@ -28,7 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from conformance.user.example_draft import DROPPED_TENSOR, PLANTS, write_example
 from conformance.user.servable import conversion_findings, directory_problem, served_ids
-from conformance.user.verdict import DIRECTORY, FORWARD, LOADING, OTHER, Problem, Verdict
+from conformance.user.verdict import Verdict
+from conformance.core.findings import DIRECTORY, FORWARD, LOADING, OTHER, Problem
 from fixtures.real_configs import REAL_CONFIGS
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
@@ -247,7 +248,7 @@ def test_an_original_eagle3_export_is_not_a_draft_class_sglang_builds(converted,
 def test_the_conversion_check_names_what_a_conversion_lost(converted, tmp_path):
     """A conversion that drops a norm tensor, shifts the aux ids and loses fc_norm: each one named."""
     from conformance.checkpoints.directory import open_checkpoint
-    from conformance.loading.accounting import account
+    from conformance.adapters import account
     from conformance.user.trainer import resolve_trainer
 
     draft, out = converted

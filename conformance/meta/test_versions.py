@@ -13,7 +13,8 @@ from packaging.specifiers import SpecifierSet
 
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import lane_of, supported_range
-from conformance.core import registry, support_matrix
+from conformance.core import registry
+from conformance.session import support_matrix
 from conformance.versions import matrix
 from conformance.versions.__main__ import main
 

@@ -81,7 +81,7 @@ def test_the_observed_capture_follows_the_target_class(impl, wiring, tmp_path, r
     """The served list of a class that runs here is read off its forward, not from the ids: a planted runner that
     hands the target every id plus one (worker.py capture, plant "ids_one_deeper") moves what the forward
     captures one boundary deeper, away from the ids the derivation reads."""
-    from conformance.adapters.vllm.adapter import Worker
+    from conformance.adapters.vllm.process import Worker
     from conformance.wiring.cases import CASES_BY_ID, N
     from fixtures.targets import TARGETS, write_target_config
 

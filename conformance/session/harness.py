@@ -6,6 +6,8 @@ loader refuses is remembered as a LoadFailed with a one-line message.
 """
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 import torch
@@ -13,15 +15,15 @@ import torch
 import pytest
 
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import Trace, Unsupported
+from conformance.core.trace import Trace, Unsupported
 from conformance.core.compare import Comparison, compare_traces
 from conformance.core.common import first_line
 from conformance.core.matching import KnownDivergenceHit  # noqa: F401  (tests import it from here)
 from conformance.core.matching import known_param, match_forward, match_load, settle
-from conformance.core.registry import for_case
+from conformance.core.registry import Neutralised, RegistryError, for_case
 from conformance.core.tolerances import AGAINST, DTYPES
 from fixtures.cases import DraftCase
-from fixtures.checkpoint import write_checkpoints
+from fixtures.checkpoint import edited_copy, write_checkpoints
 from fixtures.tiny import make_batch, make_draft_weights
 from reference.eagle3 import DraftBatch
 
@@ -130,3 +132,35 @@ def assert_conforms(drafts: DraftStore, report, impl: str, case: DraftCase, dtyp
     report.add(comparison, nodeid, outcome, hit.reason if hit else "")
     if first is not None:
         settle(comparison.message(repro), hit)
+
+
+class NeutralStore(DraftStore):
+    """A DraftStore whose checkpoints of a neutralised case have its `neutral_weights` tensors set to ones, in
+    every format: the same draft for every implementation and the reference."""
+
+    def __init__(self, root: Path, device: str = "cpu"):
+        super().__init__(root, device)
+        self.unit_weights: dict[str, tuple[str, ...]] = {}
+
+    def use(self, variant: Neutralised) -> DraftCase:
+        self.unit_weights[variant.case.id] = variant.unit_weights
+        return variant.case
+
+    def checkpoint(self, case: DraftCase) -> dict[str, Path]:
+        paths, patterns = super().checkpoint(case), self.unit_weights.get(case.id)
+        if not patterns:
+            return paths
+        out = {}
+        for fmt, path in paths.items():
+            out[fmt] = self.root / f"{case.id}-unit-weights" / fmt
+            if not out[fmt].exists():
+                edited_copy(path, out[fmt], functools.partial(_set_ones, patterns=patterns, where=f"{case.id} ({fmt})"))
+        return out
+
+
+def _set_ones(weights: dict, patterns: tuple[str, ...], where: str) -> None:
+    for pattern in patterns:
+        names = [n for n in weights if re.search(pattern, n)]
+        if not names:
+            raise RegistryError(f"neutral_weights /{pattern}/ names no tensor of the checkpoint of {where}")
+        weights.update({n: torch.ones_like(weights[n]) for n in names})

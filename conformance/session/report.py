@@ -1,83 +1,24 @@
 """The conformance report: one session-wide Report (conformance/plugin.py) that tests add to, as data.
 
 `Report.to_json()` is the one path: report.json is that data, and report.md, the chart and the
-terminal summary are rendered from it (conformance/core/report_render.py). Files are written
+terminal summary are rendered from it (conformance/session/report_render.py). Files are written
 atomically at session end, also when tests fail. No timestamps: identical inputs give identical reports.
 """
 from __future__ import annotations
 
 import json
 import os
-import platform
 import tempfile
 from dataclasses import dataclass, field
-from enum import StrEnum
-from importlib import metadata
 from pathlib import Path
 
-from conformance.adapters import ADAPTERS
-from conformance.core import report_render
+from conformance.adapters import ADAPTERS, versions
+from conformance.session import report_render
 from conformance.core.compare import Comparison
+from conformance.core.sections import ACCEPT_CHART_FILE, FAIL, KNOWN, PASS, Section  # noqa: F401  (tests import them from here)
 from conformance.core.tolerances import dtype_name
 
-TOOLING = ("transformers", "safetensors", "hypothesis", "pytest")   # besides torch and the implementations
 CHART_FILE = report_render.CHART_FILE
-PASS, KNOWN, FAIL = report_render.PASS, report_render.KNOWN, report_render.FAIL
-
-
-class Section(StrEnum):
-    """The report's sections besides the comparisons: every title is written here once, in the order
-    report.md shows them. `Report.add_row` takes only these."""
-
-    # draft forward
-    PROPERTY_EXAMPLES = "property examples"
-    TREE = "tree drafting"
-    REAL_SIZE = "real-size step 0 on CPU (bf16)"
-    # a user's draft and what each implementation loaded
-    USER_DRAFT = "bring your own draft"
-    EFFECTIVE_KNOBS = "effective knobs"
-    WEIGHT_ACCOUNTING = "weight accounting"
-    WEIGHT_MAP = "weight map (serving engine)"
-    # the target side
-    WIRING = "wiring"
-    WIRING_END_TO_END = "wiring end to end"
-    WIRING_SERVERS = "wiring: the same draft config, the layers each server feeds"
-    # serving settings
-    SETTINGS = "effective serving settings"
-    SETTINGS_SEED = "effective serving settings: the seed's command line"
-    SETTINGS_MORE_STEPS = "effective serving settings: more steps than trained"
-    SETTINGS_NOTHING_REQUESTED = "effective serving settings: nothing requested"
-    SETTINGS_SILENT = "effective serving settings: silent behaviours"
-    # training accuracy vs accept length
-    TRAINED_DRAFT = "trained draft"
-    ACCEPT_PREDICTED = "accept length: predicted vs simulated"
-    ACCEPT_PER_POSITION = "accept length: per position"
-    ACCEPT_ORACLE = "accept length: oracle draft"
-    ACCEPT_GENERATIONS = "accept length over whole generations (reference)"
-    ACCEPT_PLANTED = "accept length: planted faults"
-    # SGLang's serving engine (conformance/engine)
-    ENGINE = "engine: served vs reference, per request"
-    ENGINE_SERVERS = "engine: server arguments as SGLang resolved them (timings: vary run to run)"
-    ENGINE_SHIMS = "engine: scheduler-process shims"
-    ENGINE_TREE = "engine: tree rounds vs the exact tree"
-    ENGINE_FAULTS = "engine: planted serving faults"
-    ENGINE_ACCEPT = report_render.ACCEPT_SECTION   # its chart: report_render.ACCEPT_CHART_FILE
-    # throughput
-    THROUGHPUT = "draft throughput (timings: vary run to run)"
-
-
-def versions() -> dict[str, str]:
-    """Python and the installed version of every package under test, by package name."""
-    out = {"python": platform.python_version()}
-    for name in ("torch", *(a.package for a in ADAPTERS.values() if a.package), *TOOLING):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    for a in ADAPTERS.values():   # an implementation in an environment of its own (e.g. vLLM) knows its version
-        if a.package and out[a.package] == "not installed":
-            out[a.package] = a.version() or "not installed"
-    return out
 
 
 def _num(x):
@@ -110,7 +51,7 @@ class Report:
     def add_row(self, section: Section, row: dict) -> None:
         """One row of a section: JSON-able values; a table in report.md."""
         if not isinstance(section, Section):
-            raise TypeError(f"report section {section!r}: name it with conformance.core.report.Section")
+            raise TypeError(f"report section {section!r}: name it with conformance.core.sections.Section")
         self.sections.setdefault(section, []).append(dict(row))
 
     def add(self, comparison: Comparison, nodeid: str, outcome: str, note: str = "") -> None:
@@ -151,7 +92,7 @@ class Report:
         _atomic_write(directory / "report.json", json.dumps(data, indent=1) + "\n")
         _atomic_write(directory / "report.md", report_render.markdown(data))
         report_render.write_chart(data, directory / CHART_FILE)
-        report_render.write_accept_chart(data, directory / report_render.ACCEPT_CHART_FILE)
+        report_render.write_accept_chart(data, directory / ACCEPT_CHART_FILE)
 
 
 def _plain(data):

@@ -1,5 +1,5 @@
 """report.md, the per-stage chart and the terminal summary, rendered from the report's data
-(`Report.to_json()`, conformance/core/report.py) and from nothing else."""
+(`Report.to_json()`, conformance/session/report.py) and from nothing else."""
 from __future__ import annotations
 
 import os
@@ -7,17 +7,11 @@ import tempfile
 from pathlib import Path
 
 from conformance.core.compare import ABSENT, DIVERGED, MISSING
+from conformance.core.sections import ACCEPT_CHART_FILE, ACCEPT_COLUMNS, ACCEPT_SECTION, FAIL, KNOWN, PASS  # noqa: F401
 from conformance.core.stages import stage_kind, stage_names
 
 CHART_FILE = "stage_error.png"
-# The engine lane's accept-length bridge (conformance/engine/bridge.py): its section, chart and plotted columns.
-ACCEPT_SECTION = "engine: training accuracy to measured accept length"
-ACCEPT_CHART_FILE = "accept_length.png"
-ACCEPT_COLUMNS = ("predicted (speculators' full_acc, all held-out rows)", "SGLang measured (meta_info)",
-                  "simulated (reference, same requests)", "SGLang per verify round (histogram)",
-                  "training's scores at the engine's rounds")
 CHART_FLOOR = 1e-12   # exact stages are drawn here on the log scale
-PASS, KNOWN, FAIL = "pass", "known divergence", "FAIL"   # the outcomes of a comparison
 Summary = dict[tuple[str, str], dict[tuple[int, str], tuple[float | None, float | None, int]]]
 
 

@@ -2,7 +2,7 @@
 Generated from the registry (registry.toml) for the README, one column per release an adapter is tested
 against (its `releases`), each evaluated from the registry at that release, whatever is installed;
 report.md carries the draft matrix from the tests that actually ran.
-`python -m conformance.core.support_matrix --write-readme` refreshes the README.
+`python -m conformance.session.support_matrix --write-readme` refreshes the README.
 """
 from __future__ import annotations
 

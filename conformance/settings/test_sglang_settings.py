@@ -18,8 +18,8 @@ import pytest
 from conformance.adapters.sglang import SGLangAdapter
 from conformance.adapters.sglang.compat import has_server_arg
 from conformance.adapters.sglang.settings import CommandLineError, MISMATCH, draft_facts, effective_settings, findings
-from conformance.core.report import Section
-from fixtures.trained_draft import CACHE_ENV
+from conformance.core.sections import Section
+from conformance.acceptance.trained_draft import CACHE_ENV
 
 SEED_ARGS = "--speculative-eagle-topk 1 --speculative-num-steps 1 --speculative-num-draft-tokens 16"
 MORE_STEPS_THAN_TRAINED = "--speculative-eagle-topk 1 --speculative-num-steps 7 --speculative-num-draft-tokens 8"

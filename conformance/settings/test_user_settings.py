@@ -1,4 +1,4 @@
-"""Server flags on the user's draft (conformance/settings/user_settings.py): --sglang-args resolved by
+"""Server flags on the user's draft (conformance/user/settings.py): --sglang-args resolved by
 SGLang's own ServerArgs with the user's draft and a real target config.
 
 Each setting that changes what the draft computes is planted on its own and must come back as exactly
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conformance.checkpoints.directory import open_checkpoint
-from conformance.settings.user_settings import CommandLineError, check_user_settings
+from conformance.user.settings import CommandLineError, check_user_settings
 from fixtures.checkpoint import write_checkpoints
 from fixtures.real_configs import REAL_CONFIGS
 from fixtures.tiny import make_config, make_draft_weights

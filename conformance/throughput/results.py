@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from conformance.adapters import REFERENCE
-
-if TYPE_CHECKING:
-    from conformance.throughput.throughput import BenchCase
+from conformance.throughput.cases import BenchCase
 
 
 @dataclass

@@ -17,8 +17,8 @@ import torch
 
 from conformance.adapters import ADAPTERS, REFERENCE
 from conformance.adapters.base import lane_of
-from conformance.core.harness import DraftStore
-from conformance.core.report import Section
+from conformance.session.harness import DraftStore
+from conformance.core.sections import Section
 from conformance.throughput.results import RESULTS, Figure, reference_id
 from conformance.throughput.throughput import (
     COPY, CPU_SIZES, GPU_SIZES, ROOFLINE_GROUP, ROOFLINE_TIMER, BenchCase, planted_slowdown, step_bytes, sweep,

@@ -12,7 +12,6 @@ import os
 import platform
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,14 +20,9 @@ import torch
 
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import lane_of
+from conformance.throughput.cases import DECODE, EXTEND, BenchCase
 from conformance.throughput.results import RESULTS
-from fixtures.real_shapes import SHAPES
-from fixtures.tiny import make_config
 from reference.eagle3 import Eagle3Config
-
-# The timed passes: step 0 (EXTEND) and step 1 (DECODE); what each adapter times is its
-# `timed_pass` (stage hooks off in every case).
-EXTEND, DECODE = "extend", "decode"
 
 # Set only by the gate's self-test (conformance/meta/test_bench_gate.py): "sglang=2" makes every
 # timed pass of that adapter run twice, a planted 2x slowdown the compare target must catch.
@@ -50,35 +44,6 @@ def planted_slowdown(impl: str) -> int:
 
 
 # ---------------------------------------------------------------- the sweep
-
-@dataclass(frozen=True)
-class BenchCase:
-    size: str          # a key of fixtures.real_shapes.SHAPES
-    dtype: str         # "fp32" | "bf16"
-    device: str        # "cpu" | "cuda"
-    batch: int         # B requests (packed sequences)
-    context: int       # L tokens each
-    pass_: str         # EXTEND | DECODE
-    impl: str          # adapter name
-    lane: str = "cpu"  # the sweep it belongs to: the default lane's, or a lane of its own (vLLM's)
-
-    @property
-    def id(self) -> str:
-        return f"{self.device}-{self.size}-{self.dtype}-b{self.batch}-l{self.context}-{self.pass_}-{self.impl}"
-
-    @property
-    def config(self) -> Eagle3Config:
-        return make_config(**SHAPES[self.size])
-
-    @property
-    def step(self) -> int:
-        return 0 if self.pass_ == EXTEND else 1
-
-    @property
-    def tokens(self) -> int:
-        """Query tokens of the timed step: all B*L, except a serving decode (one per request)."""
-        return self.batch if ADAPTERS[self.impl].serving_decode and self.step > 0 else self.batch * self.context
-
 
 # Shapes whose pass does not compile on a CPU host (seen in every dtype and size of the sweep): vLLM's attention
 # there is the FLEX_ATTENTION shim (adapters/vllm/shims.py), which torch 2.14's Inductor compiles; its CPU
@@ -268,7 +233,7 @@ def host_device() -> str:
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
-    from conformance.core.report import versions
+    from conformance.adapters import versions
 
     machine_info.pop("node", None)   # the host name: baselines are per machine class, not per host
     device = host_device()

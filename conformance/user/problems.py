@@ -13,7 +13,7 @@ from conformance.adapters import ADAPTERS
 from conformance.core import matching, registry
 from conformance.core.compare import MISSING, Comparison
 from conformance.core.tolerances import dtype_name
-from conformance.user.verdict import FORWARD, LOADING, Problem
+from conformance.core.findings import FORWARD, LOADING, Problem
 from reference.eagle3 import Eagle3Config
 
 RETRAIN = "SGLang cannot serve this knob; retrain without it"

@@ -19,7 +19,7 @@ import torch
 from conformance.checkpoints.knobs import CONFIG_FILE
 from conformance.checkpoints.weights import read_weights
 from conformance.core.common import first_line
-from conformance.user.verdict import CONVERSION, DIRECTORY, Problem
+from conformance.core.findings import CONVERSION, DIRECTORY, Problem
 
 DRAFT_CLASS = "LlamaForCausalLMEagle3"    # the class SGLang serves an EAGLE-3 Llama draft with
 CONVERT = "python -m conformance.user.convert"
@@ -79,7 +79,7 @@ def served_ids(trainer, target_file: Path | None, root: Path) -> tuple[tuple[int
     """The eagle_config ids a conversion writes, and why. None (no ids: SGLang captures its default list,
     which is every trainer's default on every target class, conformance/wiring) when training used the
     default layers; else the ids with which SGLang captures the training layers: found on a twin of the
-    target's own class (its set_eagle3_layers_to_capture and forward, conformance/wiring/user_wiring.py),
+    target's own class (its set_eagle3_layers_to_capture and forward, conformance/user/wiring.py),
     or, without --target-config, in the Llama classes' convention (output of layer i: id - 1)."""
     from conformance.user.trainer import layer_names
 
@@ -90,7 +90,7 @@ def served_ids(trainer, target_file: Path | None, root: Path) -> tuple[tuple[int
     if target_file is None:
         return llama, (f"SGLang's Llama convention for {layer_names(trained)}, output of layer i = id - 1 "
                        "(llama.py set_eagle3_layers_to_capture); --target-config fits them to the target's class")
-    from conformance.wiring.user_wiring import servable_ids
+    from conformance.user.wiring import servable_ids
 
     ids = servable_ids(Path(target_file), trained, Path(root))
     if ids is None:

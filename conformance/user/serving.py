@@ -1,8 +1,8 @@
 """The serving side of the user's verdict: the target's aux wiring and the server flags, on the draft as
 SGLang reads it (the directory as written, or this suite's conversion), each computed once per run.
 
-The checks themselves are conformance/wiring/user_wiring.py (a tiny twin of --target-config) and
-conformance/settings/user_settings.py (--sglang-args through SGLang's own ServerArgs); this module
+The checks themselves are conformance/user/wiring.py (a tiny twin of --target-config) and
+conformance/user/settings.py (--sglang-args through SGLang's own ServerArgs); this module
 only hands them the user's files.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def served_dir(store) -> Path:
 
 def user_wiring(store):
     """check_user_wiring on --target-config's twin: the layers SGLang captures for this draft vs training's."""
-    from conformance.wiring.user_wiring import check_user_wiring
+    from conformance.user.wiring import check_user_wiring
 
     inputs = store.inputs
     return store.serving("wiring", lambda: check_user_wiring(served_dir(store), inputs.target_file, inputs.trainer,
@@ -50,7 +50,7 @@ def user_wiring(store):
 
 def user_settings(store):
     """check_user_settings with --sglang-args; raises CommandLineError when SGLang refuses the flags."""
-    from conformance.settings.user_settings import check_user_settings
+    from conformance.user.settings import check_user_settings
 
     inputs = store.inputs
     target = inputs.target_file or stand_in_target(inputs.config, store.root / "stand-in-target")

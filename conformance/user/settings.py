@@ -12,7 +12,7 @@ Entry point (the verdict's user checks call it):
 SGLang's side is its own code: the parser and resolve_once (conformance/adapters/sglang/settings.py), the
 context length from its ModelConfig for the target and then for the draft with the target's context
 (what the EAGLE worker does), the draft class from its ModelRegistry. The cause of each problem is the
-line of the installed SGLang that decides it, found in its source (conformance/wiring/user_wiring.py).
+line of the installed SGLang that decides it, found in its source (conformance/user/wiring.py).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from conformance.adapters.sglang.settings import HOST_ARGS, NUMBERS, CommandLine
 # CommandLineError is re-exported: callers catch it from here.
 from conformance.checkpoints.directory import DraftCheckpoint
 from conformance.checkpoints.errors import load_json
-from conformance.user.verdict import SETTINGS, Problem
-from conformance.wiring.user_wiring import source_line
+from conformance.core.findings import SETTINGS, Problem
+from conformance.user.wiring import source_line
 
 HOOK = "sglang.srt.arg_groups.speculative_hook"
 WORKER = "sglang.srt.speculative.eagle_worker_v2"

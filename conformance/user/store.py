@@ -20,7 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import Trace, lane_of
+from conformance.adapters.base import lane_of
+from conformance.core.trace import Trace
 from conformance.checkpoints.directory import write_draft
 from conformance.checkpoints.errors import ConversionError
 from conformance.checkpoints.formats import config_json
@@ -29,13 +30,15 @@ from conformance.checkpoints.knobs import CONFIG_FILE
 from conformance.checkpoints.training_data import MAX_TOKENS, Sample, first_samples, make_data_batch, make_samples
 from conformance.checkpoints.weights import WEIGHTS_FILE, read_weights
 from conformance.core.compare import Comparison, compare_traces
-from conformance.core.harness import DraftStore
+from conformance.session.harness import DraftStore
 from conformance.core.tolerances import AGAINST, DTYPES
 from conformance.user.plan import STEPS, plan_for
 from conformance.user.servable import served_ids, write_served_ids
 from conformance.user.serving import STAND_IN
 from conformance.user.trainer import TRAINED_OPTION, layer_names, other_trainers
-from conformance.user.user_draft import SEED, USER_CASE_ID, UserInputs, user_case
+from conformance.user.example_draft import write_example
+from conformance.user.user_draft import (FIXTURE_FORMAT, INPUTS_KEY, SEED, USER_CASE_ID, UserInputs, user_case,
+                                        validate_inputs)
 from fixtures.cases import DraftCase
 from reference.eagle3 import Eagle3Config
 
@@ -154,7 +157,7 @@ class UserDraftStore(DraftStore):
                 gc.collect()
 
     def compare(self, impl: str, case: DraftCase, dtype_name: str, steps: int = 1) -> Comparison:
-        """`impl` against the reference as conformance.core.harness.compare_with_reference does, with the
+        """`impl` against the reference as conformance.session.harness.compare_with_reference does, with the
         plan's precise reference (fp64; fp32 for a large draft); raises LoadFailed."""
         dtype = DTYPES[dtype_name]
         actual = self.trace(impl, case, dtype, steps)
@@ -191,7 +194,7 @@ class UserDraftStore(DraftStore):
 
     def accounts(self) -> dict:
         """Weight accounting of the user's draft per implementation (fp32), computed once."""
-        from conformance.loading.accounting import account
+        from conformance.adapters import account
 
         if self._accounts is None:
             dirs = self.checkpoint(self.case)
@@ -209,7 +212,7 @@ class UserDraftStore(DraftStore):
     def account_of(self, impl: str):
         """One implementation's accounting of the user's draft: the default lane's from accounts(), a server of a
         lane of its own (vLLM, with --serve-with) computed on first ask."""
-        from conformance.loading.accounting import account
+        from conformance.adapters import account
 
         accounts = self.accounts()
         if impl not in accounts:
@@ -317,3 +320,11 @@ def _knob_summary(cfg: Eagle3Config) -> str:
             + (f"; on: {', '.join(on)}" if on else ""))
 
 
+def make_user_store(config, root: Path):
+    """A UserDraftStore on --draft-checkpoint, or, without it, on a fixture draft."""
+    inputs = config.stash.get(INPUTS_KEY, None)
+    if inputs is None:
+        ckpt, data, dump = write_example(root / "inputs", FIXTURE_FORMAT)
+        inputs = validate_inputs(ckpt, data, dump, source="fixture: tiny SpecForge-shaped export without "
+                                                              "embed_tokens, JSONL samples, tiny-target dump")
+    return UserDraftStore(root / "store", inputs)

@@ -16,8 +16,8 @@ import pytest
 
 from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
 from conformance.core import registry
-from conformance.core.harness import LoadFailed
-from conformance.core.report import FAIL, PASS, Section
+from conformance.session.harness import LoadFailed
+from conformance.core.sections import FAIL, PASS, Section
 from conformance.loading.accounting import knob_rows
 from conformance.user.plan import FULL, STEPS, plan_for
 from conformance.user.problems import accounting_problems, forward_problem, load_problem
@@ -25,7 +25,7 @@ from conformance.user.serving import served_with
 from conformance.user.servable import conversion_findings, conversion_problem, directory_problem
 from conformance.user.trainer import FORMAT_TRAINER, other_trainers
 from conformance.user.user_draft import FIXTURE_FORMAT, INPUTS_KEY
-from conformance.user.verdict import Problem
+from conformance.core.findings import Problem
 
 pytestmark = [pytest.mark.cpu, pytest.mark.user]
 

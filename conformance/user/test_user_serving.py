@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from conformance.core.report import Section
+from conformance.core.sections import Section
 from conformance.user.serving import DEFAULT_SERVER, STAND_IN, served_with, servers, user_settings, user_wiring
 from conformance.user.test_user_draft import fail, report_once
 from conformance.user.user_draft import digest
-from conformance.user.verdict import OTHER, SETTINGS, Problem
+from conformance.core.findings import OTHER, SETTINGS, Problem
 
 pytestmark = [pytest.mark.cpu, pytest.mark.user]
 
@@ -55,8 +55,8 @@ def other_servers() -> list[tuple[str, str | None]]:
 def test_user_draft_target_wiring_on_other_servers(impl, runner, user_draft, report, verdict, request):
     """--serve-with vllm (or both): the layers vLLM feeds the draft as it reads the directory as written, with
     each of its model runners (V2: a CUDA server's default; V1), on a twin of --target-config, slot by slot
-    against training's (conformance/wiring/user_wiring.py check_server_wiring)."""
-    from conformance.wiring.user_wiring import check_server_wiring, server_row
+    against training's (conformance/user/wiring.py check_server_wiring)."""
+    from conformance.user.wiring import check_server_wiring, server_row
 
     if impl not in served_with(request.config):
         pytest.skip(f"--serve-with does not name {impl}")
@@ -75,7 +75,7 @@ def test_user_draft_target_wiring_on_other_servers(impl, runner, user_draft, rep
 
 def test_user_draft_hidden_states_fit_the_target(user_draft, report, verdict, request):
     """The --hidden-states dump's width and layer count against --target-config and the slots SGLang feeds."""
-    from conformance.wiring.user_wiring import check_hidden_states
+    from conformance.user.wiring import check_hidden_states
 
     inputs = user_draft.inputs
     if inputs.hidden_states is None or inputs.target_file is None:
@@ -89,7 +89,7 @@ def test_user_draft_hidden_states_fit_the_target(user_draft, report, verdict, re
 def test_user_draft_server_flags(user_draft, report, verdict, request):
     """--sglang-args through SGLang's own ServerArgs with this draft and target: every setting that changes
     what this draft computes."""
-    from conformance.settings.user_settings import CommandLineError
+    from conformance.user.settings import CommandLineError
 
     inputs = user_draft.inputs
     if inputs.sglang_args is None:

@@ -27,7 +27,7 @@ def test_the_conversion_writes_ids_the_targets_class_captures(tmp_path):
     convention, which Llama captures as trained and Kimi-K2.5 does not; converted for Kimi-K2.5 they are
     the ids its class captures as trained (both judged by SGLang's own capture on the targets' twins)."""
     from conformance.user.convert import main as convert
-    from conformance.wiring.user_wiring import check_user_wiring
+    from conformance.user.wiring import check_user_wiring
 
     cfg = make_config(**EXAMPLE, aux_layer_ids=(0, 3, 31))
     draft = write_draft(cfg, make_draft_weights(cfg, torch.Generator().manual_seed(0)), tmp_path / "draft",

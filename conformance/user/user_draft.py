@@ -226,16 +226,3 @@ def collection_case(config) -> DraftCase:
 
 # The draft the user checks run on without --draft-checkpoint: SpecForge's export, so its trainer is SpecForge.
 FIXTURE_FORMAT = "specforge"
-
-
-def make_user_store(config, root: Path):
-    """A UserDraftStore on --draft-checkpoint, or, without it, on a fixture draft."""
-    from conformance.user.example_draft import write_example
-    from conformance.user.store import UserDraftStore
-
-    inputs = config.stash.get(INPUTS_KEY, None)
-    if inputs is None:
-        ckpt, data, dump = write_example(root / "inputs", FIXTURE_FORMAT)
-        inputs = validate_inputs(ckpt, data, dump, source="fixture: tiny SpecForge-shaped export without "
-                                                              "embed_tokens, JSONL samples, tiny-target dump")
-    return UserDraftStore(root / "store", inputs)

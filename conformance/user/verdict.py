@@ -12,39 +12,15 @@ a problem), the verdict block in the terminal summary, and the "verdict" object 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-# Problem ranks: the order problems are numbered in (the first that stops serving comes first).
-DIRECTORY, CONVERSION, LOADING, FORWARD, WIRING, SETTINGS, OTHER = range(7)
+from conformance.core.findings import FORWARD, LOADING, OTHER, Problem
+
 SERVED, NOT_SERVED = "served as trained", "NOT served as trained"
 USER_MARK = "user"
 USER_DIR = Path(__file__).resolve().parent   # the focused run collects only test files here
-FIELDS = ("what", "where", "evidence", "cause", "fix")
-
-
-@dataclass
-class Problem:
-    what: str                 # one line: what is served differently
-    where: str                # stage, tensor, setting or aux slot
-    evidence: str             # the numbers
-    cause: str                # file:line in the pinned package
-    fix: str                  # the config key or server flag to change, or what cannot be served
-    rank: int = FORWARD
-    key: str = ""             # the same key from several checks is one problem
-    known: str = ""           # the registry entry that names it, if any
-    impl: str = ""            # the implementation it is about, if one
-    seen: str = ""            # the run that showed it (dtype, steps), when several runs can
-    checks: list[str] = field(default_factory=list)   # node ids of the checks that found it
-    also: list[str] = field(default_factory=list)     # the other runs that showed it
-
-    def to_json(self, number: int) -> dict:
-        out = {"number": number, **{f: getattr(self, f) for f in FIELDS}}
-        if self.also:
-            out["evidence"] += "; also in: " + ", ".join(self.also)
-        return {**out, "registry_id": self.known or None, "checks": sorted(self.checks)}
 
 
 class Verdict:
@@ -146,7 +122,7 @@ class VerdictPlugin:
     def pytest_sessionfinish(self, session, exitstatus):
         if not self.config.getoption("--draft-checkpoint") or not self.verdict.outcomes:
             return   # no verdict when no user check ran (--collect-only, a -k that selects none)
-        from conformance.core.report import versions
+        from conformance.adapters import versions
 
         self.verdict.finish()
         self.report.verdict = self.verdict.to_json(versions())
@@ -155,7 +131,7 @@ class VerdictPlugin:
 
     @pytest.hookimpl(trylast=True)   # after the stage tables: the last thing before pytest's own summary
     def pytest_terminal_summary(self, terminalreporter):
-        from conformance.core.report_render import verdict_lines
+        from conformance.session.report_render import verdict_lines
 
         data = getattr(self.report, "verdict", None)
         if not data:

@@ -15,7 +15,7 @@ Entry points (the verdict's user checks call them):
 
 SGLang's side is SGLang's own code: the draft config read by resolve_spec_aux_hidden_state_config, the
 ids handed over by configure_aux_hidden_state_capture to the class ModelRegistry picks for the
-target's architectures, and that class's forward capturing the aux tensor (fixtures/target_twin.py).
+target's architectures, and that class's forward capturing the aux tensor (conformance/wiring/target_twin.py).
 The training side is the same weights in transformers (HF hidden_states[b]: the input of layer b, 0 =
 the embeddings, N = the last layer's output before the final norm), as every trainer captures them.
 A chunk is named by the boundary it equals within the fp32 hidden tolerance, whose noise floor is the
@@ -36,10 +36,10 @@ from conformance.adapters.sglang.target import (
 from conformance.checkpoints.errors import CheckpointError
 from conformance.core.compare import OK, StageResult, compare_tensors
 from conformance.user.trainer import Trainer
-from conformance.user.verdict import WIRING, Problem
+from conformance.core.findings import WIRING, Problem
 from conformance.wiring.cases import AUX_STAGE
 from conformance.wiring.comparison import describe_read
-from fixtures.target_twin import TwinRun, TwinUnsupported, build_twin, target_twin
+from conformance.wiring.target_twin import TwinRun, TwinUnsupported, build_twin, target_twin
 
 
 # ---------------------------------------------------------------- file:line in the pinned packages

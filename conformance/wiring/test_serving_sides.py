@@ -14,7 +14,7 @@ import pytest
 from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
 from conformance.core.matching import known_param, match_wiring, settle
 from conformance.core.registry import applicable
-from conformance.core.report import Section
+from conformance.core.sections import Section
 from conformance.wiring.cases import (
     CAPTURE_FAILED, REFUSED, N, WiringCase, boundary_name, layer_list, runners, wiring_matrix, wiring_names,
 )

@@ -1,4 +1,4 @@
-"""Wiring on the user's own files (conformance/wiring/user_wiring.py): SGLang's resolution of a draft
+"""Wiring on the user's own files (conformance/user/wiring.py): SGLang's resolution of a draft
 config and its capture on a tiny twin of a real target config, against the trainer's layers, slot by slot.
 
 The seed (Kimi-K2.5, 61 layers: trained on [embed, 3, 31], served [3, 31, 59]) must be one problem naming
@@ -16,12 +16,12 @@ from safetensors.torch import save_file
 
 from conformance.adapters.sglang.target import AuxIds
 from conformance.user.trainer import Trainer, default_ids
-from conformance.wiring.user_wiring import (
+from conformance.user.wiring import (
     boundary_name, build_twin, check_hidden_states, check_user_wiring, name_chunk, source_ref,
 )
 from fixtures.checkpoint import sglang_config_json, speculators_config_json
 from fixtures.real_configs import REAL_CONFIGS, file_id, target_config_files
-from fixtures.target_twin import target_twin
+from conformance.wiring.target_twin import target_twin
 from fixtures.tiny import make_config
 
 pytestmark = pytest.mark.cpu
@@ -155,7 +155,7 @@ def test_another_server_wiring_names_each_runner_and_its_fix(impl, tmp_path):
     them as input-of-layer ids (one layer shallower); each problem's fix, the top-level ids, serves it as trained
     on both runners, and SGLang's reading is unchanged by it (it ignores top-level ids in its own format)."""
     from conformance.wiring.cases import runners
-    from conformance.wiring.user_wiring import check_server_wiring
+    from conformance.user.wiring import check_server_wiring
 
     trainer = speculators_trainer((1, 4, 8))
     shipped = draft_dir(tmp_path / "shipped", [0, 3, 7])

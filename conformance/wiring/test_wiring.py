@@ -8,7 +8,7 @@ import pytest
 
 from conformance.core.matching import known_param, match_wiring, settle
 from conformance.core.registry import Known
-from conformance.core.report import Section
+from conformance.core.sections import Section
 from conformance.wiring.cases import CASES_BY_ID, boundary_name, config_ids, known_wiring, layer_list, wiring_matrix
 from conformance.wiring.comparison import WiringComparison
 from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS, TARGETS_BY_ID

@@ -14,7 +14,9 @@ from typing import ClassVar
 
 import torch
 
-from conformance.adapters.base import Drafter, TimedPass, Trace, chain_drafter, installed_version
+from conformance.adapters.base import Drafter, TimedPass, chain_drafter, installed_version
+
+from conformance.core.trace import Trace
 from conformance.adapters.sglang import drafting, weights
 from conformance.adapters.sglang.recorder import Recorder, canonical_stages
 from conformance.adapters.sglang.runtime import attention_backend, ensure_runtime, forward_batch_on, forward_pass

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from conformance.adapters.base import Trace
+from conformance.core.trace import Trace
 from conformance.adapters.sglang.runtime import ATTENTION_BACKEND, make_pools
 from reference.eagle3 import DraftBatch
 

@@ -24,8 +24,8 @@ from typing import ClassVar
 
 import torch
 
-from conformance.adapters.base import (Drafter, TimedPass, Trace, Unsupported, batch_on, installed_version,
-                                      last_rows)
+from conformance.adapters.base import Drafter, TimedPass, batch_on, installed_version, last_rows
+from conformance.core.trace import Trace, Unsupported
 from conformance.adapters.specforge.recorder import Recorder
 from conformance.adapters.specforge.shims import EAGER_NOTE, LOSS_NOTE, eager, torch_loss
 from conformance.checkpoints.formats.specforge import inexpressible

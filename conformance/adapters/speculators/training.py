@@ -2,7 +2,7 @@
 
 Everything here calls speculators 0.9.0's code (its dataset layout, CollateFn + shift_batch, vocab
 mapping, `from_training_args`, losses and metrics); nothing re-implements it. `recipe` arguments are
-fixtures.trained_draft.Recipe (read by field name).
+conformance.acceptance.trained_draft.Recipe (read by field name).
 """
 from __future__ import annotations
 
@@ -135,34 +135,6 @@ def train(recipe, model, items: list[dict]) -> list[dict]:
                 for k in range(recipe.ttt_steps)]})
     model.eval()
     return log
-
-
-def heldout_metrics(ckpt_dir: Path, target_dir: Path, items: list[dict], hidden_size: int, num_aux: int,
-                    steps: int, loss: str) -> dict[str, float]:
-    """speculators' training forward with its loss and metrics on every item, summed (`full_acc_k_sum`,
-    `full_acc_k_total`, `cond_acc_...`).
-
-    The draft loads through the speculators adapter; the teacher (verifier_lm_head = the target's
-    lm_head rows of the draft vocabulary, verifier_norm) through speculators' own
-    load_verifier_weights from the target directory, as `from_training_args` does. One item per
-    forward: speculators' teacher forcing shifts across packed sequences (core.py:332-338).
-    """
-    from conformance.adapters.speculators.adapter import SpeculatorsAdapter
-
-    model = SpeculatorsAdapter().load(ckpt_dir, torch.float32).model
-    model.config.speculators_config.verifier.name_or_path = str(target_dir)
-    model.load_verifier_weights()
-    losses = loss_config(loss)
-    totals: dict[str, float] = {}
-    with torch.no_grad():
-        for item in items:
-            batch = collate([item], hidden_size, num_aux, FLEX_BLOCK)
-            with warnings.catch_warnings():   # flex attention without torch.compile: eager on CPU, as intended
-                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-                _, _, metrics = model(**batch, ttt_steps=steps, loss_config=losses)
-            for name, value in metrics.items():
-                totals[name] = totals.get(name, 0.0) + float(value)
-    return totals
 
 
 @contextlib.contextmanager

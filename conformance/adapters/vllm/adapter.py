@@ -12,14 +12,7 @@ default one; without .venv-vllm they skip with one line.
 """
 from __future__ import annotations
 
-import atexit
-import builtins
 import contextlib
-import json
-import os
-import shutil
-import subprocess
-import tempfile
 import weakref
 from importlib import metadata
 from pathlib import Path
@@ -28,107 +21,18 @@ from typing import ClassVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from conformance.adapters.base import Drafter, TimedPass, Trace, chain_drafter
+from conformance.adapters.base import Drafter, TimedPass, chain_drafter
+from conformance.adapters.vllm.process import DTYPE_NAMES, MISSING, Worker, venv, venv_python
+
+from conformance.core.trace import Trace
 from conformance.core import stages
 from reference.eagle3 import DraftBatch, Eagle3Config
-
-ROOT = Path(__file__).resolve().parents[3]
-WORKER = Path(__file__).resolve().parent / "worker.py"
-# The vLLM environment: `make venv-vllm` builds it from requirements-vllm.lock; VLLM_VENV points elsewhere.
-VENV_VARIABLE = "VLLM_VENV"
-MISSING = "vLLM environment missing: make venv-vllm"
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 
 # What a benchmark times, per step: the pass replayed in the worker and timed there (worker.replay).
 TIMED = ("vLLM's step 0 in its worker: combine_hidden_states, the model over every token, compute_logits on each "
          "request's last (timed inside the worker: no pipe)",
          "vLLM's draft step 1 in its worker: one query per request on its last token, compute_logits (timed inside "
          "the worker: no pipe)")
-
-
-def venv() -> Path:
-    return Path(os.environ.get(VENV_VARIABLE) or ROOT / ".venv-vllm").absolute()   # the worker runs elsewhere
-
-
-def venv_python() -> Path:
-    return venv() / "bin" / "python"
-
-
-class VLLMError(Exception):
-    """vLLM refused something in the worker; `kind` is the class of vLLM's own exception."""
-
-
-def _exception(kind: str, message: str) -> Exception:
-    """vLLM's exception again, by class name (a registry load entry matches the class name), as one line."""
-    cls = getattr(builtins, kind, None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        return cls(message)
-    return type(kind, (VLLMError,), {})(message)
-
-
-class Worker:
-    """The one vLLM worker process of this session, started on first use, ended at exit."""
-
-    _instance: "Worker | None" = None
-
-    def __init__(self):
-        python = venv_python()
-        if not python.exists():
-            raise RuntimeError(MISSING)
-        self.dir = Path(tempfile.mkdtemp(prefix="vllm-worker-"))
-        self.log = open(self.dir / "worker.log", "w+")
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-               "PYTHONPATH": ""}
-        if not torch.cuda.is_available():
-            env["VLLM_TARGET_DEVICE"] = "cpu"   # vLLM's own switch (vllm/platforms/__init__.py:176)
-        self.proc = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=env, cwd=self.dir)
-        self.ready = self._answer()
-        self.count = 0
-        self.dropped: list[int] = []
-        atexit.register(self.close)
-
-    @classmethod
-    def get(cls) -> "Worker":
-        if cls._instance is None or cls._instance.proc.poll() is not None:
-            cls._instance = Worker()
-        return cls._instance
-
-    def _answer(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            self.log.flush()
-            self.log.seek(0)
-            tail = self.log.read()[-3000:]
-            raise RuntimeError(f"vllm worker ({venv_python()}) exited with {self.proc.wait()}:\n{tail}")
-        return json.loads(line)
-
-    def ask(self, op: str, **fields) -> dict:
-        # Models dropped since the last request go with this one (a finalizer must never talk to the pipe).
-        drop, self.dropped = self.dropped, []
-        self.proc.stdin.write(json.dumps({"op": op, "drop": drop, **fields}) + "\n")
-        self.proc.stdin.flush()
-        answer = self._answer()
-        if not answer["ok"]:
-            raise _exception(answer["error"], f"vllm: {answer['message']}")
-        return answer
-
-    def scratch(self) -> Path:
-        self.count += 1
-        path = self.dir / f"job{self.count}"
-        path.mkdir()
-        return path
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class VLLMAdapter:
@@ -196,7 +100,7 @@ class VLLMAdapter:
         """vLLM's load observed in the worker (worker.account), accounted for here (accounting.py)."""
         from conformance.adapters.vllm.weights import account
 
-        return account(self, Path(ckpt_dir), dtype, target)
+        return account(self, Path(ckpt_dir), dtype, target, loaded=LoadedVLLM)
 
 
 class LoadedVLLM:

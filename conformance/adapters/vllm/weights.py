@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from conformance.adapters.vllm.process import DTYPE_NAMES, Worker
 from conformance.checkpoints import WEIGHTS_FILE
 from conformance.loading.accounting import finite, load_and_count, observed_knobs, rope_text, vocab_map
 
@@ -18,8 +19,8 @@ from conformance.loading.accounting import finite, load_and_count, observed_knob
 SHARED = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
 
 
-def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None):
-    from conformance.adapters.vllm.adapter import DTYPE_NAMES, LoadedVLLM, Worker
+def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None, loaded):
+    """`loaded`: the adapter's loaded-draft class, built on the worker's answer for the probe forward."""
 
     def observed_load() -> tuple:
         worker = Worker.get()
@@ -27,7 +28,7 @@ def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None):
         answer = worker.ask("account", ckpt=str(ckpt_dir.resolve()), weights=str(ckpt_dir.resolve() / WEIGHTS_FILE),
                             dtype=DTYPE_NAMES[dtype], work=str(work), params=str(work / "params.safetensors"),
                             steps=1)
-        return LoadedVLLM(worker, answer, dtype), answer, load_file(str(work / "params.safetensors"))
+        return loaded(worker, answer, dtype), answer, load_file(str(work / "params.safetensors"))
 
     acct, ckpt, got = load_and_count(adapter.name, ckpt_dir, observed_load)
     if got is None:

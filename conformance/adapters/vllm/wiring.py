@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conformance.adapters.vllm.adapter import Worker
+from conformance.adapters.vllm.process import Worker
 
 # Where each model runner reads the ids (the user verdict's cause), and the capture convention that follows.
 READER = {
