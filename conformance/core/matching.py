@@ -1,50 +1,47 @@
 """Matching an observation against the registry (registry.py): an entry is a hit only when the observed
-failure is exactly its place with its signature; anything else fails with the full message. And the
-one helper that turns applicable entries into a strict xfail param.
+failure is exactly its place with its signature; anything else fails with the full message. Each area
+declares how its observations match (conformance/core/areas.py); `judge` is the one entry point, and the
+match_* helpers name the areas' observations. And the one helper that turns applicable entries into a
+strict xfail param, and the one that settles a check.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import NoReturn
 
 import pytest
 
-from conformance.core.registry import ACCOUNTING_PROBLEMS, Known
-from conformance.core.stages import TREE, TREE_FINAL, stage_names
+from conformance.core.areas import ACCOUNTING_PROBLEMS, AREAS, AccountingProblems, Divergence, Match, Mismatch, Refusal
+from conformance.core.registry import Known
 
 
 class KnownDivergenceHit(AssertionError):
     """The registered behaviour, at its exact place with its signature: what a strict xfail expects."""
 
 
-def deciding(known: Sequence[Known], num_layers: int) -> Known | None:
-    """The entry that decides a forward comparison: a load entry first, else the earliest (step, stage)."""
-    if not known:
-        return None
-    order = {name: i for i, name in enumerate(stage_names(num_layers) + TREE + TREE_FINAL)}
-    return min(known, key=lambda e: (-1, -1) if e.area == "load" else (e.step, order.get(e.stage, len(order))))
+def judge(area: str, known: Sequence[Known], seen: object) -> Match:
+    """The one way an observation meets the registry, in every area, built-in matrix and user draft alike:
+    the entries it is exactly, and what no entry explains (conformance/core/areas.py)."""
+    return AREAS[area].judge(known, seen)
 
 
 def match_forward(known: Sequence[Known], first, num_layers: int) -> Known | None:
     """The deciding entry when the first divergence (a StageResult or None) is exactly its step and stage."""
-    entry = deciding(known, num_layers)
-    if entry is None or entry.area == "load" or first is None:
-        return None
-    return entry if (first.step, first.stage) == (entry.step, entry.stage) else None
+    hits = judge("draft", known, Divergence(first, num_layers)).hits
+    return hits[0] if hits else None
 
 
 def match_load(known: Sequence[Known], error: str | None, message: str) -> Known | None:
     """A load entry whose exception class is `error` and whose pattern is found in `message`
     (error None: the caller kept only the message)."""
-    return next((e for e in known if e.area == "load" and (error is None or error == e.error)
-                 and re.search(e.message, message)), None)
+    hits = judge("load", known, Refusal(error, message)).hits
+    return hits[0] if hits else None
 
 
 def match_wiring(known: Sequence[Known], kind: str) -> Known | None:
     """The first applicable wiring entry, when the observed mismatch is its kind."""
-    wiring = [e for e in known if e.area == "wiring"]
-    return wiring[0] if wiring and wiring[0].kind == kind else None
+    hits = judge("wiring", known, Mismatch(kind)).hits
+    return hits[0] if hits else None
 
 
 def accounting_problems(account) -> list[tuple[str, str]]:
@@ -55,22 +52,9 @@ def accounting_problems(account) -> list[tuple[str, str]]:
 
 
 def match_accounting(known: Sequence[Known], problems: Sequence[tuple[str, str]]) -> tuple[list[Known], list[str]]:
-    """(the entries that explain problems, the problems none explains as "problem: tensor"). A refusal is
-    explained by a load entry whose pattern its message has; any other problem by an accounting entry
-    of that problem whose tensor patterns include the tensor."""
-    used: list[Known] = []
-    unexplained = []
-    for problem, what in problems:
-        if problem == "refused":
-            entry = match_load(known, None, what)
-        else:
-            entry = next((e for e in known if e.area == "accounting" and e.problem == problem
-                          and any(re.fullmatch(t, what) for t in e.tensors)), None)
-        if entry is None:
-            unexplained.append(f"{problem}: {what}")
-        elif entry not in used:
-            used.append(entry)
-    return used, unexplained
+    """(the entries that explain problems, the problems none explains as "problem: tensor")."""
+    found = judge("accounting", known, AccountingProblems(tuple(problems)))
+    return found.hits, found.unexplained
 
 
 # ---------------------------------------------------------------- strict xfails

@@ -1,7 +1,7 @@
 """The one registry of known behaviour (registry.toml): reading, validating, and which entries apply.
 
 An entry holds for an implementation when the installed version is in its `versions` range and its
-`when` condition is true of the names its area defines (NAMES: draft knobs, server flags, tree shape,
+`when` condition is true of the names its area defines (areas.py: draft knobs, server flags, tree shape,
 target wiring facts, server settings). The condition language is a small, safe subset of Python
 expressions (names, constants, tuples, comparisons, in, and/or/not, + - *), checked when the file is read.
 
@@ -22,42 +22,11 @@ from typing import NoReturn, Protocol
 
 from packaging.specifiers import SpecifierSet
 
-from conformance.core.stages import TREE, TREE_FINAL, stage_names
+from conformance.core.areas import ACCOUNTING_PROBLEMS, AREAS, KNOBS, SERVER_FLAGS, WIRING_KINDS  # noqa: F401
 from reference.eagle3 import Eagle3Config
 
 REGISTRY_FILE = Path(__file__).with_name("registry.toml")
 COMMON = ("area", "id", "impl", "versions", "when", "reason")
-AREAS = {   # area -> the fields that name its exact place and observed signature
-    "draft": ("step", "stage"),          # first divergent step and stage of the draft forward
-    "tree": ("step", "stage"),           # the same for SGLang's tree draft
-    "load": ("error", "message"),        # the loader's exception class, a regex searched in its message
-    "wiring": ("kind",),                 # the slot mismatch of SGLang's aux capture
-    "accounting": ("problem", "tensors"),  # the weight-accounting problem and the tensors it names
-    "settings": ("setting",),            # the server setting the finding is about
-}
-OPTIONAL = {"settings": ("shown_by",),   # another entry's id that shows the behaviour in a comparison
-            "draft": ("neutral", "neutral_weights"), "load": ("neutral",)}   # what neutralises it: neutralised()
-
-KNOBS = frozenset(f.name for f in dataclasses.fields(Eagle3Config))
-SERVER_FLAGS = ("speculative_draft_window_size",)   # the server flags a draft case may carry
-SERVER_SETTINGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-                   "speculative_algorithm", "speculative_token_map", "speculative_draft_window_size",
-                   "speculative_draft_sink_size", "speculative_use_rejection_sampling",
-                   "speculative_accept_threshold_single", "speculative_accept_threshold_acc", "max_running_requests")
-WIRING_KINDS = ("config refused", "capture failed", "default list", "slot missing", "one layer shallower",
-                "one layer deeper", "wrong layers")
-ACCOUNTING_PROBLEMS = {"dropped silently": "dropped", "never loaded": "never_loaded",
-                       "differs from checkpoint": "differs", "NaN/inf after loading": "nan"}   # -> Accounting field
-DRAFT_NAMES = KNOBS | frozenset(SERVER_FLAGS)
-NAMES = {
-    "draft": DRAFT_NAMES, "load": DRAFT_NAMES, "accounting": DRAFT_NAMES,
-    "tree": KNOBS | {"topk", "steps", "num_draft_tokens"},
-    "wiring": frozenset({"target", "target_class", "format", "case", "trainer", "num_layers", "trained_on_default",
-                         "config_has_ids", "first_config_id", "min_config_id", "max_config_id", "config_shift",
-                         "runner"}),   # a server with more than one model runner (vLLM: "v1", "v2"); else None
-    "settings": KNOBS | frozenset(SERVER_SETTINGS) | {"config_has_draft_vocab_size"},
-}
-SETTINGS = frozenset(SERVER_SETTINGS) | {"embed_tokens", "lm_head"}
 ALLOWED_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.BinOp, ast.Add,
                  ast.Sub, ast.Mult, ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In,
                  ast.NotIn, ast.Tuple, ast.Name, ast.Load, ast.Constant)
@@ -89,9 +58,7 @@ class Known:
 
     @property
     def place(self) -> str:
-        return {"draft": f"step {self.step} `{self.stage}`", "tree": f"step {self.step} `{self.stage}`",
-                "load": f"load refused: {self.error} /{self.message}/", "wiring": str(self.kind),
-                "accounting": f"{self.problem}: {', '.join(self.tensors)}", "settings": str(self.setting)}[self.area]
+        return AREAS[self.area].place(self)
 
     def describe(self) -> str:
         return f"{self.impl} {self.versions} when {self.when}: {self.place} ({self.id}). {self.reason}"
@@ -115,7 +82,7 @@ def _compiled(condition: str, area: str):
     for node in ast.walk(tree):
         if not isinstance(node, ALLOWED_NODES):
             raise RegistryError(f"condition {condition!r}: {type(node).__name__} is not allowed")
-        if isinstance(node, ast.Name) and node.id not in NAMES[area] and node.id != "None":
+        if isinstance(node, ast.Name) and node.id not in AREAS[area].names and node.id != "None":
             raise RegistryError(f"condition {condition!r}: unknown name {node.id!r} for area {area!r}")
     return compile(tree, "<registry.toml>", "eval")
 
@@ -149,17 +116,16 @@ def installed_version(impl: str) -> str | None:
 
 # ---------------------------------------------------------------- reading and validating
 
-def _check(item: dict, area: str, where: str, stage_ok) -> None:
+def _check(item: dict, area: str, where: str) -> None:
     def bad(field: str, why: str) -> NoReturn:
         raise RegistryError(f"{where}: field '{field}': {why}")
 
-    for field in COMMON + AREAS[area] + OPTIONAL.get(area, ()):
+    declared = AREAS[area]
+    if problem := declared.validate(item):   # the area's own fields: a step, a stage, a kind, a problem ...
+        bad(*problem)
+    for field in COMMON + declared.signature + declared.optional:
         value = item.get(field)
-        if field == "step" and not (isinstance(value, int) and value >= 0):
-            bad(field, f"{value!r} is not a step (an integer >= 0)")
-        elif field == "tensors" and not (isinstance(value, list) and value and all(isinstance(t, str) for t in value)):
-            bad(field, f"{value!r} is not a non-empty list of tensor-name patterns")
-        elif field == "neutral" and field in item:
+        if field == "neutral" and field in item:
             _check_neutral(value, item["when"], area, bad)
         elif field == "neutral_weights" and field in item and not (
                 isinstance(value, list) and value and all(isinstance(t, str) for t in value) and "neutral" not in item):
@@ -184,16 +150,6 @@ def _check(item: dict, area: str, where: str, stage_ok) -> None:
                 re.compile(pattern)
             except re.error as exc:
                 bad(field, f"{pattern!r} is not a regex: {exc}")
-    if "stage" in item and not stage_ok(item["stage"]):
-        bad("stage", f"{item['stage']!r} is not a canonical stage of its area")
-    if area == "load" and not item["error"].isidentifier():
-        bad("error", f"{item['error']!r} is not an exception class name")
-    if area == "wiring" and item["kind"] not in WIRING_KINDS:
-        bad("kind", f"{item['kind']!r} is not one of {list(WIRING_KINDS)}")
-    if area == "accounting" and item["problem"] not in ACCOUNTING_PROBLEMS:
-        bad("problem", f"{item['problem']!r} is not one of {list(ACCOUNTING_PROBLEMS)}")
-    if area == "settings" and item["setting"] not in SETTINGS:
-        bad("setting", f"{item['setting']!r} is not a server setting the findings know")
 
 
 def _check_neutral(value, when: str, area: str, bad) -> None:
@@ -201,7 +157,7 @@ def _check_neutral(value, when: str, area: str, bad) -> None:
     if not (isinstance(value, dict) and value):
         bad("neutral", f"{value!r} is not a table of knob = \"expression\"")
     for name, expr in value.items():
-        if name not in NAMES[area] or not isinstance(expr, str):
+        if name not in AREAS[area].names or not isinstance(expr, str):
             bad("neutral", f"{name} = {expr!r}: not a {area} knob or server flag set to an expression string")
         try:
             _compiled(expr, area)
@@ -220,20 +176,18 @@ def load_registry(path: Path = REGISTRY_FILE) -> tuple[Known, ...]:
         raise RegistryError(f"{path.name}: not valid TOML: {exc}") from None
     if set(raw) - {"known"}:
         raise RegistryError(f"{path.name}: unknown tables {sorted(set(raw) - {'known'})} (entries are [[known]])")
-    layer_stages = frozenset(stage_names(4))
-    stage_ok = {"draft": layer_stages.__contains__, "tree": (layer_stages | set(TREE) | set(TREE_FINAL)).__contains__}
     entries = []
     for n, item in enumerate(raw.get("known", []), 1):
         where = f"{path.name}: entry #{n} ({item.get('id', 'no id')})"
         area = item.get("area")
         if area not in AREAS:
             raise RegistryError(f"{where}: field 'area': {area!r} is not one of {list(AREAS)}")
-        fields = COMMON + AREAS[area]
+        fields = COMMON + AREAS[area].signature
         missing = [f for f in fields if f not in item]
-        extra = sorted(set(item) - set(fields) - set(OPTIONAL.get(area, ())))
+        extra = sorted(set(item) - set(fields) - set(AREAS[area].optional))
         if missing or extra:
             raise RegistryError(f"{where}: missing fields {missing}, unknown fields {extra} for area {area!r}")
-        _check(item, area, where, stage_ok.get(area))
+        _check(item, area, where)
         entries.append(Known(**{**item, "tensors": tuple(item.get("tensors", ())),
                                 "neutral": tuple(sorted(item.get("neutral", {}).items())),
                                 "neutral_weights": tuple(item.get("neutral_weights", ()))}))

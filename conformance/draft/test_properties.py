@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
 from conformance.session.harness import LoadFailed, compare_with_reference
-from conformance.core.matching import deciding, match_forward, match_load
+from conformance.core.matching import match_forward, match_load
+from conformance.core.areas import deciding
 from conformance.core.registry import Known, Neutralised, for_case
 from conformance.session.report import Report
 from conformance.core.sections import Section

@@ -15,7 +15,8 @@ import torch
 
 from conformance.adapters import ADAPTERS
 from conformance.core.compare import compare_traces
-from conformance.core.matching import deciding, match_forward
+from conformance.core.matching import match_forward
+from conformance.core.areas import deciding
 from conformance.core.registry import for_case
 from conformance.core.tolerances import AGAINST, DTYPES
 from conformance.meta.plants import honouring_norm_before_residual

@@ -18,8 +18,9 @@ import torch
 import conformance.core.registry as registry
 from conformance.adapters import ADAPTERS
 from conformance.session.harness import LoadFailed, assert_conforms, compare_with_reference, conformance_params
+from conformance.core.areas import deciding
 from conformance.core.matching import (
-    KnownDivergenceHit, accounting_problems, deciding, match_load, match_wiring, settle_accounting,
+    KnownDivergenceHit, accounting_problems, match_load, match_wiring, settle_accounting,
 )
 from conformance.core.registry import REGISTRY, Known, RegistryError, for_accounting, for_case, load_registry
 from conformance.session.report import Report

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,8 +20,9 @@ from conformance.core.trace import Trace, Unsupported
 from conformance.core.compare import Comparison, compare_traces
 from conformance.core.common import first_line
 from conformance.core.matching import KnownDivergenceHit  # noqa: F401  (tests import it from here)
-from conformance.core.matching import known_param, match_forward, match_load, settle
-from conformance.core.registry import Neutralised, RegistryError, for_case
+from conformance.core.areas import Divergence, Match, Refusal
+from conformance.core.matching import judge, known_param, settle
+from conformance.core.registry import Known, Neutralised, RegistryError, for_case
 from conformance.core.tolerances import AGAINST, DTYPES
 from fixtures.cases import DraftCase
 from fixtures.checkpoint import edited_copy, write_checkpoints
@@ -38,6 +40,9 @@ class LoadFailed(Exception):
 
 
 class DraftStore:
+    # The reference the error model takes as exact (a user's large draft: fp32, conformance/user/plan.py).
+    precise: torch.dtype = torch.float64
+
     def __init__(self, root: Path, device: str = "cpu"):
         self.root = root
         self.device = device   # where drafts run ("cuda" in the gpu lane); traces come back on the CPU
@@ -102,14 +107,47 @@ def conformance_params(impls, dtype_names, cases, extra_id: str = "", steps: int
 
 def compare_with_reference(drafts: DraftStore, impl: str, case: DraftCase, dtype_name: str, steps: int = 1,
                            teacher_forced: bool = True) -> Comparison:
-    """`impl` against the reference in the dtype tolerances.AGAINST names for it (bf16: fp64), with the fp64
-    reference and the reference in `impl`'s dtype for the error model; raises LoadFailed."""
+    """`impl` against the reference in the dtype tolerances.AGAINST names for it (bf16: the store's precise
+    reference, fp64), with the precise reference and the reference in `impl`'s dtype for the error model;
+    raises LoadFailed."""
     dtype = DTYPES[dtype_name]
     actual = drafts.trace(impl, case, dtype, steps, teacher_forced)
     same = drafts.trace("reference", case, dtype, steps, teacher_forced)
-    precise = drafts.trace("reference", case, torch.float64, steps, teacher_forced)
+    precise = drafts.trace("reference", case, drafts.precise, steps, teacher_forced)
     expected = precise if AGAINST[dtype] == torch.float64 else same
     return compare_traces(actual, expected, case.id, precise=precise, same=same)
+
+
+@dataclass
+class ForwardCheck:
+    """One forward check, observed and judged: what the built-in matrix settles and the user's verdict reads."""
+
+    known: tuple[Known, ...]             # the load and draft entries that apply
+    comparison: Comparison | None        # None: the loader refused (failure)
+    failure: LoadFailed | None
+    match: Match                         # the entries the observation is exactly, and what none explains
+    message: str                         # the full failure message with its repro line ("" when it conforms)
+
+    @property
+    def conforms(self) -> bool:
+        return self.failure is None and self.comparison.first_divergence is None
+
+
+def check_forward(drafts: DraftStore, impl: str, case: DraftCase, dtype_name: str, repro: str, steps: int = 1,
+                  teacher_forced: bool = True) -> ForwardCheck:
+    """The one runner of a forward check, for the built-in matrix and the user's draft alike: compare every
+    step and stage against the reference and judge the observation (a refusal, or the first divergence)
+    against the registry."""
+    known = for_case(impl, case, steps)
+    try:
+        comparison = compare_with_reference(drafts, impl, case, dtype_name, steps, teacher_forced)
+    except LoadFailed as exc:
+        return ForwardCheck(known, None, exc, judge("load", known, Refusal(exc.error, exc.detail)),
+                            f"{impl} vs reference [{case.id}, {dtype_name}]: first divergence at step 0, stage 'load'"
+                            f"\n  {exc}\n  repro: {repro}")
+    first = comparison.first_divergence
+    match = judge("draft", known, Divergence(first, case.config.num_hidden_layers))
+    return ForwardCheck(known, comparison, None, match, "" if first is None else comparison.message(repro))
 
 
 def assert_conforms(drafts: DraftStore, report, impl: str, case: DraftCase, dtype_name: str, nodeid: str,
@@ -118,20 +156,16 @@ def assert_conforms(drafts: DraftStore, report, impl: str, case: DraftCase, dtyp
     only when the observation is exactly a registered one: a load refusal with the entry's exception
     class and message pattern, or the deciding entry's first divergent step and stage."""
     __tracebackhide__ = True
-    known = for_case(impl, case, steps)
-    try:
-        comparison = compare_with_reference(drafts, impl, case, dtype_name, steps, teacher_forced)
-    except LoadFailed as exc:
-        hit = match_load(known, exc.error, exc.detail)
-        report.add_load_failure(impl, case.id, dtype_name, nodeid, "known divergence" if hit else "FAIL", str(exc))
-        settle(f"{impl} vs reference [{case.id}, {dtype_name}]: first divergence at step 0, stage 'load'\n"
-               f"  {exc}\n  repro: {repro}", hit)
-    first = comparison.first_divergence
-    hit = match_forward(known, first, case.config.num_hidden_layers)
-    outcome = "pass" if first is None else ("known divergence" if hit else "FAIL")
-    report.add(comparison, nodeid, outcome, hit.reason if hit else "")
-    if first is not None:
-        settle(comparison.message(repro), hit)
+    check = check_forward(drafts, impl, case, dtype_name, repro, steps, teacher_forced)
+    hit = check.match.hits[0] if check.match.hits else None
+    if check.failure is not None:
+        report.add_load_failure(impl, case.id, dtype_name, nodeid, "known divergence" if hit else "FAIL",
+                                str(check.failure))
+        settle(check.message, hit)
+    outcome = "pass" if check.conforms else ("known divergence" if hit else "FAIL")
+    report.add(check.comparison, nodeid, outcome, hit.reason if hit else "")
+    if not check.conforms:
+        settle(check.message, hit)
 
 
 class NeutralStore(DraftStore):

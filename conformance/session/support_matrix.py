@@ -12,7 +12,7 @@ from pathlib import Path
 from unittest import mock
 
 from conformance.core import registry
-from conformance.core.matching import deciding
+from conformance.core.areas import AREAS, deciding
 from conformance.core.registry import for_accounting, for_case
 from fixtures.cases import ALL_CASES, DraftCase
 
@@ -80,11 +80,8 @@ def draft_cell(impl: str, case: DraftCase) -> str:
     if why := ADAPTERS[impl]().unsupported(case.config):
         return f"not expressible: {why}"
     entry = deciding(for_case(impl, case), case.config.num_hidden_layers)
-    cells = [] if entry is None else [
-        f"refused at load: {entry.error} ({entry.id})" if entry.area == "load"
-        else f"diverges: step {entry.step} `{entry.stage}` ({entry.id})"]
-    cells += [f"weight accounting: {e.problem} ({e.id})" for e in for_accounting(impl, case) if e.area == "accounting"]
-    return "; ".join(cells) or "safe"
+    more = [e for e in for_accounting(impl, case) if e.area not in {k.area for k in for_case(impl, case)}]
+    return "; ".join(AREAS[e.area].cell(e) for e in ([entry] if entry else []) + more) or "safe"
 
 
 def draft_rows(cases=ALL_CASES) -> list[dict]:
@@ -97,7 +94,7 @@ def tree_rows() -> list[dict]:
 
     def cell(_impl, case) -> str:
         entry = deciding(known_tree(case), 1)
-        return "safe" if entry is None else f"diverges: step {entry.step} `{entry.stage}` ({entry.id})"
+        return "safe" if entry is None else AREAS[entry.area].cell(entry)
 
     return [{"tree case": c.id, "draft": c.draft, "topk": c.topk, "steps": c.steps,
              "draft tokens": c.num_draft_tokens, **per_release(cell, "sglang", c)} for c in TREE_CASES]
@@ -114,7 +111,7 @@ def wiring_rows() -> list[dict]:
         rows: dict[tuple[str, str], dict[str, list[str]]] = {}
         for target, case, fmt in wiring_matrix(TARGETS + CAPTURE_ONLY_TARGETS):
             known = registry.applicable("wiring", impl, wiring_names(target, case, fmt, runner))
-            key = "safe" if not known else f"{known[0].kind} ({known[0].id})"
+            key = "safe" if not known else AREAS[known[0].area].cell(known[0])
             rows.setdefault((target.id, fmt), {}).setdefault(key, []).append(case.id)
         return {where: "; ".join(f"{key}: {', '.join(cases)}"
                                  for key, cases in sorted(by_key.items(), key=lambda kv: kv[0] != "safe"))

@@ -29,9 +29,7 @@ from conformance.checkpoints.hidden_states import TinyTarget, read_dump, uses_ti
 from conformance.checkpoints.knobs import CONFIG_FILE
 from conformance.checkpoints.training_data import MAX_TOKENS, Sample, first_samples, make_data_batch, make_samples
 from conformance.checkpoints.weights import WEIGHTS_FILE, read_weights
-from conformance.core.compare import Comparison, compare_traces
 from conformance.session.harness import DraftStore
-from conformance.core.tolerances import AGAINST, DTYPES
 from conformance.user.plan import STEPS, plan_for
 from conformance.user.servable import served_ids, write_served_ids
 from conformance.user.serving import STAND_IN
@@ -156,15 +154,10 @@ class UserDraftStore(DraftStore):
             if fresh and ADAPTERS[impl].serving_decode:   # a serving engine's model: free it before the next
                 gc.collect()
 
-    def compare(self, impl: str, case: DraftCase, dtype_name: str, steps: int = 1) -> Comparison:
-        """`impl` against the reference as conformance.session.harness.compare_with_reference does, with the
-        plan's precise reference (fp64; fp32 for a large draft); raises LoadFailed."""
-        dtype = DTYPES[dtype_name]
-        actual = self.trace(impl, case, dtype, steps)
-        same = self.trace("reference", case, dtype, steps)
-        precise = self.trace("reference", case, self.plan.precise, steps)
-        expected = precise if AGAINST[dtype] == torch.float64 else same
-        return compare_traces(actual, expected, case.id, precise=precise, same=same)
+    @property
+    def precise(self) -> torch.dtype:
+        """The reference the error model takes as exact: fp64, or fp32 for a large draft (the plan's)."""
+        return self.plan.precise
 
     def aux(self) -> list[torch.Tensor]:
         """Aux states per used sample: from the dump, from the tiny target, or seeded random."""

@@ -16,7 +16,7 @@ import pytest
 
 from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
 from conformance.core import registry
-from conformance.session.harness import LoadFailed
+from conformance.session.harness import check_forward as run_forward
 from conformance.core.sections import FAIL, PASS, Section
 from conformance.loading.accounting import knob_rows
 from conformance.user.plan import FULL, STEPS, plan_for
@@ -99,23 +99,21 @@ def test_user_draft_conversion_keeps_the_draft(user_draft, report, verdict, requ
 
 
 def check_forward(store, report, verdict, impl: str, dtype_name: str, nodeid: str, repro: str, steps: int):
+    """The built-in matrix's forward runner (session/harness.py check_forward) on the user's draft; what it
+    finds is a problem of the verdict, a registered divergence included."""
     __tracebackhide__ = True
     case = store.case if steps == 1 else dataclasses.replace(store.case, id=f"{store.case.id}_{steps}_steps")
     cfg = store.inputs.config
     if why := ADAPTERS[impl]().unsupported(cfg):
         pytest.skip(why)
-    known = registry.for_case(impl, case, steps)
-    try:
-        comparison = store.compare(impl, case, dtype_name, steps)
-    except LoadFailed as exc:
-        report.add_load_failure(impl, case.id, dtype_name, nodeid, FAIL, str(exc))
-        fail(load_problem(impl, cfg, known, str(exc)), verdict, nodeid,
-             f"{impl} vs reference [{case.id}, {dtype_name}]: first divergence at step 0, stage 'load'\n"
-             f"  {exc}\n  repro: {repro}")
-    problem = forward_problem(impl, cfg, known, comparison, steps)
-    report.add(comparison, nodeid, PASS if problem is None else FAIL, "" if problem is None else problem.cause)
+    check = run_forward(store, impl, case, dtype_name, repro, steps)
+    if check.failure is not None:
+        report.add_load_failure(impl, case.id, dtype_name, nodeid, FAIL, str(check.failure))
+        fail(load_problem(impl, cfg, check.known, str(check.failure)), verdict, nodeid, check.message)
+    problem = forward_problem(impl, cfg, check.known, check.comparison, steps)
+    report.add(check.comparison, nodeid, PASS if problem is None else FAIL, "" if problem is None else problem.cause)
     if problem is not None:
-        fail(problem, verdict, nodeid, comparison.message(repro))
+        fail(problem, verdict, nodeid, check.message)
 
 
 def test_user_draft_step0_matches_reference(impl, dtype_name, user_draft, report, verdict, request, repro):

@@ -11,6 +11,7 @@ from conformance.checkpoints.directory import open_checkpoint, write_draft
 from conformance.user import plan
 from conformance.user.example_draft import EXAMPLE, write_example
 from conformance.user.plan import STEPS
+from conformance.session.harness import compare_with_reference
 from conformance.user.store import UserDraftStore
 from conformance.user.trainer import resolve_trainer
 from conformance.user.user_draft import validate_inputs
@@ -71,12 +72,12 @@ def test_the_reduced_plan_keeps_a_clean_draft_clean(reduced, tmp_path):
     assert store.plan.dtypes == ("bf16",) and store.plan.precise == torch.float32 and store.plan.reduced
     for impl in ("speculators", "sglang"):
         for steps in (1, STEPS):
-            first = store.compare(impl, store.case, "bf16", steps).first_divergence
+            first = compare_with_reference(store, impl, store.case, "bf16", steps).first_divergence
             assert first is None, f"{impl}, {steps} step(s): {first}"
 
 
 def test_the_reduced_plan_still_finds_a_planted_divergence(reduced, tmp_path):
     """norm_before_residual, which SGLang serves with the raw residual: found where the full plan finds it."""
     store = store_for(tmp_path, "sglang", plant="norm_before_residual")
-    first = store.compare("sglang", store.case, "bf16", 1).first_divergence
+    first = compare_with_reference(store, "sglang", store.case, "bf16", 1).first_divergence
     assert first is not None and (first.step, first.stage) == (0, "layers.0.residual"), first
