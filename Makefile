@@ -25,14 +25,14 @@ PARALLEL = $(if $(filter-out 0,$(WORKERS)),-n$(WORKERS) --dist=loadfile)
 
 # The main job: the CPU conformance lane on tiny models generated on the fly, with its report.
 conformance: venv
-	$(PYTEST) $(PARALLEL) -m "cpu and not meta" --report $(REPORT)
+	$(PYTEST) $(PARALLEL) -m "cpu and not meta" --report=$(REPORT)
 
-# Your draft, one verdict (README "Bring your own draft"): only the checks on your files, the verdict at the
-# end and at the top of $(REPORT)/report.md. pytest exits 0 served as trained, 1 not, 4 bad input (make
+# Your draft, one verdict (README "Quick start", docs/your-draft.md): only the checks on your files, the verdict
+# at the end and at the top of $(REPORT)/report.md. pytest exits 0 served as trained, 1 not, 4 bad input (make
 # itself exits 2 whenever pytest does not exit 0). Optional: DATA (JSONL samples), HIDDEN (their hidden
 # states), TARGET (the target's config.json), SGLANG_ARGS (the server flags), TRAINER (see --trainer),
 # TRAINED_AUX (the layers training captured, e.g. embed,3,31, when config.json was rewritten for serving),
-# SERVE_WITH (the server(s) to check against: sglang, the default, vllm (README "vLLM lane") or both).
+# SERVE_WITH (the server(s) to check against: sglang, the default, vllm (docs/vllm-lane.md) or both).
 check: $(if $(DRAFT),venv)
 	@test -n "$(DRAFT)" || { echo "usage: make check DRAFT=dir [DATA=file] [HIDDEN=dir] [TARGET=config.json]" \
 		"[SGLANG_ARGS=\"...\"] [TRAINER=speculators|specforge|eagle3] [TRAINED_AUX=embed,3,31]" \
@@ -41,7 +41,7 @@ check: $(if $(DRAFT),venv)
 		$(if $(HIDDEN),--hidden-states="$(HIDDEN)") $(if $(TARGET),--target-config="$(TARGET)") \
 		$(if $(SGLANG_ARGS),--sglang-args="$(SGLANG_ARGS)") $(if $(TRAINER),--trainer=$(TRAINER)) \
 		$(if $(TRAINED_AUX),--trained-aux-layers=$(TRAINED_AUX)) $(if $(SERVE_WITH),--serve-with=$(SERVE_WITH)) \
-		--report $(REPORT)
+		--report=$(REPORT)
 
 # The linter: ruff, configured in pyproject.toml.
 lint: venv
@@ -80,14 +80,14 @@ bench-baseline: venv
 bench-compare: venv
 	OMP_NUM_THREADS=$(BENCH_THREADS) $(PYTEST) $(BENCH_ARGS) --benchmark-compare --benchmark-compare-fail=$(BENCH_FAIL)
 
-# Refresh the README's support matrix from the known-divergence registry.
+# Refresh the support matrix in docs/registry.md from the known-divergence registry.
 support-matrix: venv
-	$(PY) -m conformance.session.support_matrix --write-readme
+	$(PY) -m conformance.session.support_matrix --write
 
 clean-venv:
 	rm -rf $(VENV)
 
-# The version matrix (README "Releases under test"): the CPU conformance lane on every release of sglang and
+# The version matrix (docs/releases.md): the CPU conformance lane on every release of sglang and
 # speculators under test (the adapters' `releases`), each but the pinned one installed with --no-deps into
 # .venv-releases/<package>-<version> over this environment; reports in $(REPORT)/versions/<package>-<version>/.
 # One release: make version-lane RELEASE=sglang==0.5.22 (what CI runs per matrix entry); ONLY=sglang,speculators
@@ -100,12 +100,13 @@ version-lane: $(if $(RELEASE),venv)
 	@test -n "$(RELEASE)" || { echo "usage: make version-lane RELEASE=sglang==0.5.22 (list: $(PY) -m conformance.versions list)" >&2; exit 4; }
 	$(PY) -m conformance.versions lane "$(RELEASE)" --reports $(REPORT)/versions $(PARALLEL)
 
-# The suite installed into a user's own serving environment (README "Install into your serving environment"),
-# as a user would: a fresh $(USER_ENV) holding torch, sglang $(USER_SGLANG) and speculators $(USER_SPECULATORS)
-# with their own runtime dependencies (the lock's lines for them, --no-deps: their declared dependencies are
-# CUDA-only; plus the release's own lock when it has one), then the README's two install commands, then the
-# entry point on a tiny draft that the installed package writes, run outside this repository. Passes when the
-# verdict is "served as trained" and names sglang $(USER_SGLANG). Prints the time and size of each part.
+# The suite installed into a user's own serving environment (docs/your-draft.md, "Install into your serving
+# environment"), as a user would: a fresh $(USER_ENV) holding torch, sglang $(USER_SGLANG) and speculators
+# $(USER_SPECULATORS) with their own runtime dependencies (the lock's lines for them, --no-deps: their declared
+# dependencies are CUDA-only; plus the release's own lock when it has one), then the two install commands of
+# docs/your-draft.md, then the entry point on a tiny draft that the installed package writes, run outside this
+# repository. Passes when the verdict is "served as trained" and names sglang $(USER_SGLANG). Prints the time and size
+# of each part.
 USER_ENV ?= .venv-user
 USER_SGLANG ?= 0.5.22
 USER_SPECULATORS ?= 0.9.0
@@ -136,7 +137,7 @@ user-env-check:
 	echo "user-env-check passed: the verdict names sglang $(USER_SGLANG) ($(USER_ENV)/work/report/report.md)"; \
 	echo "serving environment $$((t1 - t0)) s, $$s1 MB; the suite's install $$((t2 - t1)) s, +$$((s2 - s1)) MB; the check $$((t3 - t2)) s"
 
-# The vLLM lane (README "vLLM lane"): vLLM 0.33.0 in its own environment, which pins another torch than
+# The vLLM lane (docs/vllm-lane.md): vLLM 0.33.0 in its own environment, which pins another torch than
 # $(VENV), built on demand from requirements-vllm.lock with --no-deps (exactly those versions, nothing
 # resolved); its draft runs in one worker process per session (conformance/adapters/vllm). Only the tests
 # marked `vllm`, never part of `make test`; the report goes to $(REPORT)/vllm/.

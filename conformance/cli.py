@@ -43,7 +43,8 @@ DEFAULT_REPORT = "report"   # make check's REPORT default
 DEFAULT_LANE = "cpu"
 # What the run imports of the suite's own needs (requirements-suite.txt), looked for before it starts.
 SUITE_MODULES = ("pytest", "pytest_benchmark", "hypothesis", "matplotlib")
-SUITE_NEEDS = "pip install --no-deps -r requirements-suite.txt, README \"Install into your serving environment\""
+SUITE_NEEDS = ("pip install --no-deps -r requirements-suite.txt, "
+               "docs/your-draft.md \"Install into your serving environment\"")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,7 +130,7 @@ def refusal() -> str | None:
             inside = False
         if not inside:
             return (f"{PROG}: {adapter.package} {version} is outside the supported releases {spec} "
-                    f"(tested: {tested}; the version matrix, README \"Releases under test\")")
+                    f"(tested: {tested}; the version matrix, docs/releases.md)")
     return None
 
 

@@ -219,10 +219,10 @@ def test_planted_fault_moves_accept_length(fault, acceptance, report, repro):
             f"{fault.host} with {fault.id} [{CASE}]: the accept length does not drop by more than the sampling bound "
             f"({ACCEPT_LENGTH_Z:g} * s / sqrt({correct.rounds}) of the paired drops) at K = {sorted(small)}: {small}; "
             f"first divergent stage step 0 '{first.stage}'\n  repro: {repro}")
-    else:   # what the README says of it: only the exact check tells it from chance
+    else:   # what docs/acceptance.md says of it: only the exact check tells it from chance
         assert small, (f"{fault.host} with {fault.id} [{CASE}]: now lowers the accept length beyond the sampling "
                        f"bound at every K (drops {[round(d, 4) for d, _ in drops.values()]}): set costs_acceptance "
-                       f"in conformance/acceptance/faults.py and update the README")
+                       f"in conformance/acceptance/faults.py and update docs/acceptance.md")
 
 
 @pytest.mark.cpu

@@ -122,4 +122,4 @@ def test_rotary_cache_from_the_trainer_path_not_from_pretrained(loaded):
     with torch.random.fork_rng():
         pretrained = AutoDraftModel.from_pretrained(loaded.report.source, attention_backend="sdpa")
     assert not torch.equal(pretrained.midlayer.self_attn.rotary_emb.inv_freq, formula), \
-        "from_pretrained now builds the rotary cache: the finding is gone (README SpecForge paragraph)"
+        "from_pretrained now builds the rotary cache: the finding is gone (docs/specforge.md)"

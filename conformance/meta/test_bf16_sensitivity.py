@@ -9,7 +9,7 @@ Sensitivity: faults planted in the bf16 reference's trace, one stage of one step
 implementation is (against fp64, rho from the unplanted bf16 reference): the stage scaled by 1.005, 1.01,
 1.02, 1.05, and its rows shifted by one position (row t holds row t-1's values). A shift is caught at every
 stage it changes, and 5% at the inputs and fc of step 0; the scalings are caught where they exceed what bf16
-rounding leaves there, and the table (printed; run with -s) says where, for the README.
+rounding leaves there, and the table (printed; run with -s) says where, for docs/tolerances.md.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A fixed divergence passes: SGLang patched to honour norm_before_residual passes the case its registry
-entry decides, so the entry would no longer hit (README: a fixed divergence turns its xfail into a failure).
+entry decides, so the entry would no longer hit (docs/registry.md: a fixed divergence turns its xfail into a failure).
 
 This holds only because the SGLang adapter observes `layers.0.residual` (the residual SGLang's own
 post_attention_layernorm receives) instead of labelling hidden_norm's input as it. The plant is SGLang's

@@ -288,7 +288,7 @@ def test_settings_entries_flag_a_probe(entry, settings_probes):
             f"{entry.id}: shown_by {shown.id} is not a comparison of {entry.impl}")
 
 
-# ---------------------------------------------------------------- the file and the README
+# ---------------------------------------------------------------- the file and the support matrix page
 
 ENTRY = 'id="x"\nimpl="sglang"\nversions="==0.5.23"\nreason="r"\n'
 
@@ -326,9 +326,10 @@ def test_a_malformed_registry_is_a_one_line_error(text, field, tmp_path: Path):
 
 
 def test_readme_support_matrix_is_current():
-    from conformance.session.support_matrix import README, readme_block
+    """The generated block of docs/registry.md (the README's support matrix until it moved there)."""
+    from conformance.session.support_matrix import DOC, doc_block
 
-    assert readme_block() in README.read_text(), "README's support matrix is stale: run `make support-matrix`"
+    assert doc_block() in DOC.read_text(), f"{DOC.name}'s support matrix is stale: run `make support-matrix`"
 
 
 # ---------------------------------------------------------------- neutrals (what the property tests apply)

@@ -1,6 +1,6 @@
 """The version matrix (conformance/versions) and the per-release support matrix: releases are parsed and
 refused in one line, a lane runs the release it was asked for (or fails), ranges sort as versions, and the
-README's matrix is evaluated per release from the registry, whatever is installed."""
+support matrix (docs/registry.md) is evaluated per release from the registry, whatever is installed."""
 from __future__ import annotations
 
 import dataclasses
@@ -126,12 +126,12 @@ def test_draft_columns_follow_the_release(monkeypatch):
 
 
 def test_the_readme_matrix_goes_stale_when_a_range_changes(monkeypatch):
-    """The staleness self-test (test_registry.py) compares the README with readme_block(): a range that
+    """The staleness self-test (test_registry.py) compares docs/registry.md with doc_block(): a range that
     changes one release's column changes the block."""
-    current = support_matrix.readme_block()
+    current = support_matrix.doc_block()
     entry = _entry("settings", "sglang")
     monkeypatch.setattr(registry, "REGISTRY", tuple(
         dataclasses.replace(e, versions=f"=={support_matrix.releases('sglang')[0]}") if e is entry else e
         for e in registry.REGISTRY))
-    assert support_matrix.readme_block() != current
-    assert support_matrix.readme_block() not in support_matrix.README.read_text()
+    assert support_matrix.doc_block() != current
+    assert support_matrix.doc_block() not in support_matrix.DOC.read_text()

@@ -1,8 +1,8 @@
 """The support matrix: per check area and case, is it safe to deploy with each implementation release?
-Generated from the registry (registry.toml) for the README, one column per release an adapter is tested
+Generated from the registry (registry.toml) for docs/registry.md, one column per release an adapter is tested
 against (its `releases`), each evaluated from the registry at that release, whatever is installed;
 report.md carries the draft matrix from the tests that actually ran.
-`python -m conformance.session.support_matrix --write-readme` refreshes the README.
+`python -m conformance.session.support_matrix --write` refreshes the block between the two markers in docs/registry.md.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from conformance.core.areas import AREAS, deciding
 from conformance.core.registry import for_accounting, for_case
 from fixtures.cases import ALL_CASES, DraftCase
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "registry.md"   # the page that holds the generated block
 START, END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
 
 
@@ -141,7 +141,7 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def readme_block() -> str:
+def doc_block() -> str:
     parts = [("Draft forward, loading and weight accounting", draft_rows()), ("Tree drafting", tree_rows()),
              ("Target wiring: what each server feeds the draft, per training case", wiring_rows()),
              ("Server settings SGLang serves differently (flagged by the settings check)", settings_rows())]
@@ -149,18 +149,18 @@ def readme_block() -> str:
     return f"{START}\n{body}\n{END}"
 
 
-def write_readme(path: Path = README) -> None:
+def write_doc(path: Path = DOC) -> None:
     text = path.read_text()
     head, _, rest = text.partition(START)
     _, _, tail = rest.partition(END)
-    path.write_text(head + readme_block() + tail)
+    path.write_text(head + doc_block() + tail)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--write-readme", action="store_true", help="refresh the README's support matrix")
+    parser.add_argument("--write", action="store_true", help="refresh the support matrix in docs/registry.md")
     args = parser.parse_args()
-    if args.write_readme:
-        write_readme()
+    if args.write:
+        write_doc()
     else:
-        print(readme_block())
+        print(doc_block())
