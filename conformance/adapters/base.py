@@ -52,6 +52,20 @@ class Trace:
         return replace(self, steps=[cpu(s) for s in self.steps], rows=[cpu(r) for r in self.rows])
 
 
+@dataclass
+class ServedBatch(DraftBatch):
+    """A DraftBatch as a server is fed it. `cached_prefix`: per sequence, the leading tokens the server
+    already holds in its KV cache, so it extends them first and the rest over them (chunked prefill).
+    The draft's math is the same either way: the reference and the trainers take it as the DraftBatch it is."""
+
+    cached_prefix: tuple[int, ...] | None = None
+
+
+def cached_prefix(batch: DraftBatch) -> tuple[int, ...] | None:
+    """What a server holds of each sequence before this batch: nothing for a plain DraftBatch."""
+    return batch.cached_prefix if isinstance(batch, ServedBatch) else None
+
+
 class Unsupported(ValueError):
     """Raised by a draft's run() when the batch asks for what the implementation cannot express (e.g.
     positions not from 0 in a trainer that numbers every row from 0); the harness skips with its message."""
