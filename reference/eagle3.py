@@ -9,7 +9,10 @@ including the ones SGLang lacks (`norm_before_residual`, q/k/v bias, `input_laye
 Precision policy (one place): every matmul runs in the working dtype; RMSNorm and softmax upcast
 to fp32 (fp64 stays fp64) and cast back, as HF and SGLang do; RoPE angles and cos/sin are
 computed in fp32 from the fp32 inverse frequencies HF and SGLang compute (fp64 throughout in fp64
-runs) and cast to the working dtype (see rope_cos_sin).
+runs) and cast to the working dtype (reference/rope.py).
+
+Every block returns the stages it computes (names in conformance.core.stages) next to its output;
+`run` collects them into one {stage name: tensor} per step.
 
 Multi-step drafting is the training TTT unroll (speculators core.py:269-358): step k feeds back the
 previous step's recurrent hidden at the same token index, positions advance by one per step, and a
@@ -25,6 +28,8 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
+
+from reference.rope import ROPE_TYPES, rope_cos_sin, rotate
 
 
 @dataclass(frozen=True)
@@ -103,97 +108,6 @@ def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
     return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-def rope_inv_freq(cfg: Eagle3Config, exact: bool = True) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [hd/2] (fp64) and the cos/sin scale, per HF modeling_rope_utils.
-
-    exact=False starts from the fp32 base frequencies that transformers and SGLang compute, with
-    their fp32 formula (transformers modeling_llama.py:105, sglang rotary_embedding/base.py:240-248):
-    1 ulp off the exact value is 2.4e-5 rad at position 2000, so below fp64 that rounding is part
-    of the model.
-    """
-    d, base = cfg.rotary_dim, cfg.rope_theta   # partial rotary: frequencies over the rotated channels only
-    p = dict(cfg.rope_scaling or {})
-    kind = p.get("rope_type", "default")
-    if exact:
-        inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    else:
-        inv_freq = (1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))).double()
-    if kind == "default":
-        return inv_freq, 1.0
-    if kind == "linear":
-        return inv_freq / p["factor"], 1.0
-    if kind == "llama3":
-        factor, old_ctx = p["factor"], p["original_max_position_embeddings"]
-        low_wavelen = old_ctx / p["low_freq_factor"]
-        high_wavelen = old_ctx / p["high_freq_factor"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - p["low_freq_factor"]) / (p["high_freq_factor"] - p["low_freq_factor"])
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
-    # yarn: NTK-by-parts interpolation plus an attention scale on cos/sin.
-    factor = p["factor"]
-    old_ctx = p.get("original_max_position_embeddings", cfg.max_position_embeddings)
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if p.get("attention_factor") is not None:
-        attn_factor = p["attention_factor"]
-    elif p.get("mscale") and p.get("mscale_all_dim"):
-        attn_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
-    else:
-        attn_factor = mscale(factor)
-
-    def correction_dim(rotations):
-        return d * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
-    if p.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp                     # 1 = keep the original frequency
-    inv_freq = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
-    return inv_freq, attn_factor
-
-
-def rope_cos_sin(cfg: Eagle3Config, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin: [T, rotary_dim] for the half-split (neox) rotation.
-
-    Below fp64 as transformers and SGLang compute them, whatever the working dtype: fp32 inverse
-    frequencies, one fp32 product per angle (transformers modeling_llama.py:110-116; SGLang's
-    cos/sin cache, rotary_embedding/base.py:253-264), fp32 cos/sin. An angle is position x
-    frequency, so its rounding grows with the position: deep in a context it is a radian-sized
-    difference if the frequencies were held in bf16, and 1e-4 rad in fp32 against fp64.
-    """
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
-    inv_freq, scale = rope_inv_freq(cfg, exact=compute == torch.float64)
-    angles = positions.to(compute)[:, None] * inv_freq.to(compute)[None, :]   # [T, rotary_dim/2]
-    emb = torch.cat([angles, angles], dim=-1)                                  # [T, rotary_dim]
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, hd]; HF apply_rotary_pos_emb (rotate_half convention).
-
-    Partial rotary (cos narrower than the head) turns the leading channels and passes the rest through,
-    as SGLang's neox RoPE does (rotary_embedding/base.py) and speculators' patch for HF
-    (models/eagle3/rotary_partial.py:27-66)."""
-    rd = cos.shape[-1]
-    if rd < x.shape[-1]:
-        return torch.cat([rotate(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 def mlp(x: torch.Tensor, w: dict, prefix: str) -> torch.Tensor:
     gate = linear(x, w, f"{prefix}.gate_proj")
     up = linear(x, w, f"{prefix}.up_proj")
@@ -243,8 +157,6 @@ class DraftBatch:
     positions: torch.Tensor      # [T] step-0 positions
     seq_ids: torch.Tensor        # [T] which sequence each token belongs to
     next_ids: torch.Tensor | None = None  # [T, steps-1] teacher-forced ids for steps >= 1; None = free running
-    cached_prefix: tuple[int, ...] | None = None  # per sequence, tokens a server already holds in its KV
-    # cache (chunked prefill); the math is the same, so the reference and training ignore it
 
     @property
     def index_in_seq(self) -> torch.Tensor:
@@ -276,9 +188,28 @@ class Eagle3Reference:
         d2t = self.w.get("d2t")
         return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
 
-    def layer(self, i: int, h: torch.Tensor, embeds: torch.Tensor, cos, sin, cache, visible, stages: dict):
-        """One decoder layer; appends this step's k/v to cache[i]; records its stages."""
+    def fc_in(self, aux: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Step 0's input: the aux hidden states (optionally normed) through fc -> (h [T, H], stages)."""
+        cfg, w = self.cfg, self.w
+        stages = {"aux_in": aux}
+        x = aux
+        if cfg.norm_before_fc:
+            x = rms_norm(x, w["input_norm.weight"], cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            chunks = x.chunk(cfg.num_aux_hidden_states, dim=-1)                         # A x [T, Ht]
+            x = torch.cat([rms_norm(c, w[f"fc_norm.{j}.weight"], cfg.rms_norm_eps)
+                           for j, c in enumerate(chunks)], dim=-1)
+        if cfg.norm_before_fc or cfg.fc_norm:
+            stages["fc_in_norm"] = x
+        h = linear(x, w, "fc")                                                             # [T, H]
+        stages["fc_out"] = h
+        return h, stages
+
+    def layer(self, i: int, h: torch.Tensor, embeds: torch.Tensor, cos, sin, cache, visible
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One decoder layer -> (its output, its stages); appends this step's k/v to cache[i]."""
         cfg, w, p = self.cfg, self.w, f"layers.{i}"
+        stages: dict[str, torch.Tensor] = {}
         if i == 0:
             e = rms_norm(embeds, w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps)  # [T, H]
             hn = rms_norm(h, w[f"{p}.hidden_norm.weight"], cfg.rms_norm_eps)          # [T, H]
@@ -314,50 +245,44 @@ class Eagle3Reference:
             f"{p}.attn_core": core, f"{p}.attn_out": attn_out, f"{p}.post_attn": post_attn,
             f"{p}.post_attn_norm": x, f"{p}.mlp_out": mlp_out, f"{p}.layer_out": out,
         })
-        return out
+        return out, stages
+
+    def draft_pass(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache, visible
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One pass of the draft over T rows: embed `ids` at `positions`, every layer over the hidden h,
+        final norm and lm_head -> (the hidden fed to the next step, the pass's stages)."""
+        cfg, w = self.cfg, self.w
+        embeds = F.embedding(ids, w["embed_tokens.weight"])                                # [T, H]
+        stages = {"input_ids": ids, "embeds": embeds}
+        cos, sin = rope_cos_sin(cfg, positions, self.dtype)
+        for i in range(cfg.num_hidden_layers):
+            h, layer_stages = self.layer(i, h, embeds, cos, sin, cache, visible)
+            stages.update(layer_stages)
+        normed = rms_norm(h, w["norm.weight"], cfg.rms_norm_eps)                           # [T, H]
+        logits = F.linear(normed, self.lm_head_weight())                                   # [T, Vd]
+        fed_back = normed if cfg.norm_output else h
+        stages.update({"final_norm": normed, "recurrent_hidden": fed_back, "logits": logits})
+        return fed_back, stages
 
     @torch.no_grad()
     def run(self, batch: DraftBatch, steps: int = 1) -> list[dict[str, torch.Tensor]]:
         """Draft `steps` TTT steps; returns one {stage name: tensor} per step (names in conformance.core.stages)."""
-        cfg, w, dt = self.cfg, self.w, self.dtype
-        aux = batch.aux.to(dt)                                                        # [T, A*Ht]
+        cfg = self.cfg
         index_in_seq = batch.index_in_seq
         trace: list[dict[str, torch.Tensor]] = []
         cache = [([], []) for _ in range(cfg.num_hidden_layers)]                      # per layer: k, v per step
         ids = batch.input_ids
-        h = None
         for step in range(steps):
-            stages: dict[str, torch.Tensor] = {}
             if step == 0:
-                stages["aux_in"] = aux
-                x = aux
-                if cfg.norm_before_fc:
-                    x = rms_norm(x, w["input_norm.weight"], cfg.rms_norm_eps)
-                if cfg.fc_norm:
-                    chunks = x.chunk(cfg.num_aux_hidden_states, dim=-1)             # A x [T, Ht]
-                    x = torch.cat([rms_norm(c, w[f"fc_norm.{j}.weight"], cfg.rms_norm_eps)
-                                   for j, c in enumerate(chunks)], dim=-1)
-                if cfg.norm_before_fc or cfg.fc_norm:
-                    stages["fc_in_norm"] = x
-                h = linear(x, w, "fc")                                                 # [T, H]
-                stages["fc_out"] = h
+                h, stages = self.fc_in(batch.aux.to(self.dtype))                       # aux: [T, A*Ht]
             else:
-                stages["hidden_in"] = h                                                # fed back from step - 1
-            stages["input_ids"] = ids
-            embeds = F.embedding(ids, w["embed_tokens.weight"])                        # [T, H]
-            stages["embeds"] = embeds
-            positions = batch.positions + step
-            cos, sin = rope_cos_sin(cfg, positions, dt)
+                stages = {"hidden_in": h}                                              # fed back from step - 1
             visible = visibility(batch.seq_ids, index_in_seq, step, cfg.sliding_window)
-            for i in range(cfg.num_hidden_layers):
-                h = self.layer(i, h, embeds, cos, sin, cache, visible, stages)
-            normed = rms_norm(h, w["norm.weight"], cfg.rms_norm_eps)                   # [T, H]
-            logits = F.linear(normed, self.lm_head_weight())                           # [T, Vd]
-            draft_ids = logits.argmax(dim=-1)
+            h, pass_stages = self.draft_pass(h, ids, batch.positions + step, cache, visible)
+            stages.update(pass_stages)
+            draft_ids = stages["logits"].argmax(dim=-1)
             target_ids = self.to_target_ids(draft_ids)
-            h = normed if cfg.norm_output else h                                       # fed to step + 1
-            stages.update({"final_norm": normed, "recurrent_hidden": h, "logits": logits,
-                           "draft_ids": draft_ids, "target_ids": target_ids})
+            stages.update({"draft_ids": draft_ids, "target_ids": target_ids})
             trace.append(stages)
             if step + 1 < steps:
                 ids = batch.next_ids[:, step] if batch.next_ids is not None else target_ids

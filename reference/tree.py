@@ -10,22 +10,26 @@ picks the parent's hidden, `tree_mask[:, :, out_ids]` carries each parent's ance
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
 
-from reference.eagle3 import DraftBatch, Eagle3Reference, rms_norm, rope_cos_sin
+from reference.eagle3 import DraftBatch, Eagle3Reference
 
-# Which earlier tree nodes a node attends to (besides the prefix and itself):
-#   "ancestors": its ancestors, the exact tree (EAGLE's tree mask);
-#   "row_slots": the nodes that held its row at earlier depths; SGLang's draft KV layout, where tree
-#                row r always reads and writes column r (see conformance/draft/test_tree.py). Only there to
-#                show that this layout alone explains SGLang's tree divergence.
-KV_RULES = ("ancestors", "row_slots")
+# Which earlier tree nodes the rows of the next depth attend to (besides the prefix and themselves), from
+# `nodes` [N, earlier + N] (what each row of this depth attended to, then the rows themselves) and `parent`
+# [N] (the row of this depth each next row expands).
+Attends = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def ancestors(nodes: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """The exact tree (EAGLE's tree mask): a node attends to its parent's ancestors and its parent."""
+    return nodes[parent]
 
 
 @torch.no_grad()
 def draft_tree(ref: Eagle3Reference, batch: DraftBatch, steps: int, topk: int, num_draft_tokens: int,
-               kv: str = "ancestors") -> list[dict[str, torch.Tensor]]:
+               attends: Attends = ancestors) -> list[dict[str, torch.Tensor]]:
     """One dict per draft step, as Eagle3Reference.run: step 0 the packed prefix, step k >= 1 the
     depth-k nodes in rows b*topk + r (r-th best of sequence b). Each step also holds its rows'
     children: `candidate_ids` [B, n] (target ids; n = topk at step 0, else topk*topk, children of row r
@@ -34,10 +38,9 @@ def draft_tree(ref: Eagle3Reference, batch: DraftBatch, steps: int, topk: int, n
     `tree_index` (the num_draft_tokens - 1 best candidates over all depths, as ids into the
     depth-by-depth concatenation of the candidates, ascending), `tree_tokens`, and `tree_parents`
     (root -1, then the ids of the expanded nodes of depths 1..steps-1: a candidate's parent).
+    `attends` is the tree's attention rule; a test replaces it to show what another rule computes.
     """
-    cfg, w = ref.cfg, ref.w
-    if kv not in KV_RULES:
-        raise ValueError(f"kv must be one of {KV_RULES}, not {kv!r}")
+    cfg = ref.cfg
     if cfg.sliding_window is not None:
         raise NotImplementedError("tree drafting of a sliding-window draft is not in the reference")
     candidates = topk + (steps - 1) * topk * topk
@@ -64,17 +67,10 @@ def draft_tree(ref: Eagle3Reference, batch: DraftBatch, steps: int, topk: int, n
     hidden = trace[0]["recurrent_hidden"][last].repeat_interleave(topk, dim=0)
     positions = batch.positions[last].repeat_interleave(topk)
     for depth in range(1, steps):
-        stages = {"hidden_in": hidden, "input_ids": tokens}
-        h, embeds = hidden, F.embedding(tokens, w["embed_tokens.weight"])
-        stages["embeds"] = embeds
-        cos, sin = rope_cos_sin(cfg, positions + depth, ref.dtype)
         visible = torch.cat([prefix_visible, seen, torch.eye(N, dtype=torch.bool)], dim=1)
-        for i in range(cfg.num_hidden_layers):
-            h = ref.layer(i, h, embeds, cos, sin, cache, visible, stages)
-        normed = rms_norm(h, w["norm.weight"], cfg.rms_norm_eps)
-        logits = F.linear(normed, ref.lm_head_weight())
-        out = normed if cfg.norm_output else h                              # as Eagle3Reference.run
-        stages.update({"final_norm": normed, "recurrent_hidden": out, "logits": logits})
+        out, pass_stages = ref.draft_pass(hidden, tokens, positions + depth, cache, visible)
+        stages = {"hidden_in": hidden, **pass_stages}
+        logits = stages["logits"]
 
         # Children: cumulative score of each node's topk children; the topk best are expanded.
         child_logp, child_ids = logits.log_softmax(-1).topk(topk, dim=-1)  # [N, topk]
@@ -90,7 +86,7 @@ def draft_tree(ref: Eagle3Reference, batch: DraftBatch, steps: int, topk: int, n
         parent = row_seq * topk + torch.div(pick, topk, rounding_mode="floor").reshape(N)   # its parent's row
         scores, tokens, hidden = best.reshape(N), cand_ids.gather(1, pick).reshape(N), out[parent]
         nodes = torch.cat([seen, torch.eye(N, dtype=torch.bool)], dim=1)  # what this depth's rows saw, and themselves
-        seen = nodes[parent] if kv == "ancestors" else nodes
+        seen = attends(nodes, parent)
 
     index = torch.cat(all_scores, dim=1).topk(num_draft_tokens - 1, dim=-1).indices.sort(dim=-1).values
     root_and_depth1 = torch.arange(-1, topk).expand(B, topk + 1)

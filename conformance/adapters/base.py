@@ -24,6 +24,20 @@ if TYPE_CHECKING:
     from conformance.loading.accounting import Accounting
 
 
+@dataclass
+class ServedBatch(DraftBatch):
+    """A DraftBatch as a server is fed it. `cached_prefix`: per sequence, the leading tokens the server
+    already holds in its KV cache, so it extends them first and the rest over them (chunked prefill).
+    The draft's math is the same either way: the reference and the trainers take it as the DraftBatch it is."""
+
+    cached_prefix: tuple[int, ...] | None = None
+
+
+def cached_prefix(batch: DraftBatch) -> tuple[int, ...] | None:
+    """What a server holds of each sequence before this batch: nothing for a plain DraftBatch."""
+    return batch.cached_prefix if isinstance(batch, ServedBatch) else None
+
+
 def batch_on(batch: DraftBatch, device: str | torch.device) -> DraftBatch:
     """The batch with its tensors on `device` (the same object when it is the CPU)."""
     if torch.device(device).type == "cpu":

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conformance.checkpoints.errors import CheckpointError, Fields
-from reference.eagle3 import DRAFT_ARCHS, ROPE_TYPES, Eagle3Config
+from reference.eagle3 import DRAFT_ARCHS, Eagle3Config
+from reference.rope import ROPE_TYPES
 
 CONFIG_FILE = "config.json"
 # Knobs of other model families that change the forward pass and that no implementation here models.

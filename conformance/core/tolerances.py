@@ -18,7 +18,7 @@ of the exact result p (the fp64 reference), where
              the stage's conditioning (a softmax over a few keys with close scores, RoPE deep in a context).
 Which reference each dtype is compared against (AGAINST): bf16 against fp64, with the bound alone (atol =
 rtol = 0). fp32 against the fp32 reference, which shares the fp32 RoPE frequencies every implementation
-uses (reference/eagle3.py rope_cos_sin: 2.4e-5 rad from fp64 at position 2000, where rho is ~500 u), with
+uses (reference/rope.py rope_cos_sin: 2.4e-5 rad from fp64 at position 2000, where rho is ~500 u), with
 torch.testing's fp32 atol/rtol as the floor (k = 0) plus the model's m * rho term, m = 2 because
 |impl - ref32| <= |impl - p| + |ref32 - p| for an implementation as accurate as the reference; it keeps
 fp32 tight where the recurrent hidden grows (|h| ~ 20 by step 6 of ms_two_layers, whose reference is

@@ -22,6 +22,7 @@ SGLang 0.5.23's tree draft, as found (paths under sglang/srt/):
    Column r holds whatever nodes held row r before, not row r's ancestors once a reselection moved
    its parent to another row; EAGLE's tree mask follows the parent. So SGLang leaves the exact tree at
    draft step 2, the first pass after a reselection, at layers.0.attn_core; with 2 steps it cannot.
+   The reference tree given this layout as its attention rule (drafting.py row_slot_kv) matches SGLang.
 5. organize_draft_results (eagle_utils.py:100-135): the num_draft_tokens - 1 best scores over all
    candidates, their ids ascending, their tokens, and the expanded nodes as the parents list.
 The KV layout of 4 is filled by the adapter (draft_kv_layout): SGLang's Triton and sgl_kernel code
@@ -43,13 +44,13 @@ from torch.utils._pytree import tree_leaves
 from conformance.core import stages
 from conformance.adapters import ADAPTERS
 from conformance.core.trace import Trace
-from conformance.adapters.sglang.drafting import draft_kv_layout, eager_tree_helpers
+from conformance.adapters.sglang.drafting import draft_kv_layout, eager_tree_helpers, row_slot_kv
 from conformance.core.compare import Comparison, compare_traces, compare_tensors
 from conformance.core.matching import known_param, match_forward, settle
 from conformance.core.sections import Section
 from conformance.draft.tree_cases import TREE_CASES, TreeCase, known_tree
 from fixtures.cases import CASES_BY_ID
-from reference.tree import draft_tree
+from reference.tree import Attends, ancestors, draft_tree
 
 DTYPE = torch.float32
 
@@ -76,11 +77,12 @@ def sglang_trees(drafts):
     return tree
 
 
-def make_reference_tree(drafts, case: TreeCase, kv: str) -> Trace:
+def make_reference_tree(drafts, case: TreeCase, attends: Attends = ancestors) -> Trace:
+    """The reference tree of `case`; with `attends` row_slot_kv, the reference given SGLang's KV layout."""
     draft = CASES_BY_ID[case.draft]
     ref = ADAPTERS["reference"]().load(drafts.checkpoint(draft)["speculators"], DTYPE).model
-    steps = draft_tree(ref, drafts.batch(draft, 1), case.steps, case.topk, case.num_draft_tokens, kv=kv)
-    name = "reference tree" if kv == "ancestors" else "reference tree with SGLang's row-slot KV"
+    steps = draft_tree(ref, drafts.batch(draft, 1), case.steps, case.topk, case.num_draft_tokens, attends)
+    name = "reference tree" if attends is ancestors else "reference tree with SGLang's row-slot KV"
     return Trace(impl=name, dtype=DTYPE, steps=steps, rows=[{} for _ in steps],
                  claimed_stages=ADAPTERS["reference"].claimed_stages, num_layers=draft.config.num_hidden_layers)
 
@@ -115,7 +117,7 @@ def record_tree_row(report, case: TreeCase, cmp: Comparison, outcome: str) -> No
 @pytest.mark.parametrize("case", list(make_tree_params(TREE_CASES, divergent_marks=True)))
 def test_multistep_tree_matches_exact_tree(case, drafts, sglang_trees, report, repro):
     """SGLang's tree vs the exact tree: every node attends to the prefix, its ancestors and itself."""
-    cmp = compare_tree(sglang_trees(case), make_reference_tree(drafts, case, "ancestors"), case)
+    cmp = compare_tree(sglang_trees(case), make_reference_tree(drafts, case), case)
     first = cmp.first_divergence
     hit = match_forward(known_tree(case), first, CASES_BY_ID[case.draft].config.num_hidden_layers)
     record_tree_row(report, case, cmp, "pass" if first is None else ("known divergence" if hit else "FAIL"))
@@ -128,7 +130,7 @@ def test_multistep_tree_matches_exact_tree(case, drafts, sglang_trees, report, r
 def test_multistep_tree_row_slot_kv_explains_the_divergence(case, drafts, sglang_trees, report, repro):
     """For every case with the registered tree divergence: the reference with SGLang's KV layout (row r
     reads column r) matches SGLang at every step and stage: that layout is the whole difference."""
-    cmp = compare_tree(sglang_trees(case), make_reference_tree(drafts, case, "row_slots"), case)
+    cmp = compare_tree(sglang_trees(case), make_reference_tree(drafts, case, row_slot_kv), case)
     record_tree_row(report, case, cmp, "pass" if cmp.first_divergence is None else "FAIL")
     assert cmp.first_divergence is None, cmp.message(repro)
 

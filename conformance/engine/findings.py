@@ -15,6 +15,7 @@ from conformance.core.compare import Comparison
 from conformance.engine.check import compare_tree_round, first_divergent_round
 from conformance.engine.lane import EngineLane, GroupRun, Request, ScenarioRun
 from conformance.engine.simulate import ReferenceRound
+from reference.tree import Attends, ancestors
 
 
 @dataclass
@@ -76,15 +77,15 @@ def _tree_divergence(served, reference, case_id: str) -> tuple[int, Comparison |
 
 
 def scenario_findings(lane: EngineLane, run: GroupRun, scenario: ScenarioRun,
-                      kv: str = "ancestors") -> list[RequestFinding]:
-    """One finding per request; trees against the reference tree with KV rule `kv` (reference/tree.py)."""
-    key = ("findings", run.group.id, scenario.scenario.id, kv)
+                      attends: Attends = ancestors) -> list[RequestFinding]:
+    """One finding per request; trees against the reference tree with attention rule `attends` (reference/tree.py)."""
+    key = ("findings", run.group.id, scenario.scenario.id, attends)
     if key not in lane.memo:
-        lane.memo[key] = _findings(lane, run, scenario, kv)
+        lane.memo[key] = _findings(lane, run, scenario, attends)
     return lane.memo[key]
 
 
-def _findings(lane: EngineLane, run: GroupRun, scenario: ScenarioRun, kv: str) -> list[RequestFinding]:
+def _findings(lane: EngineLane, run: GroupRun, scenario: ScenarioRun, attends: Attends) -> list[RequestFinding]:
     group, new = run.group, scenario.scenario.new_tokens
     out = []
     for i, request in enumerate(scenario.requests):
@@ -94,7 +95,7 @@ def _findings(lane: EngineLane, run: GroupRun, scenario: ScenarioRun, kv: str) -
             r, cmp = first_divergent_round(request.rounds, reference, case_id)
         else:
             ndt = run.resolved.get("speculative_num_draft_tokens") or group.draft_tokens
-            reference = lane.tree(group, request.prompt, ndt, new, kv)
+            reference = lane.tree(group, request.prompt, ndt, new, attends)
             r, cmp = _tree_divergence(request.rounds, reference, case_id)
         out.append(RequestFinding(request, lane.greedy(request.prompt, new), reference, r, cmp))
     return out

@@ -19,6 +19,7 @@ from conformance.engine.scenarios import EngineGroup, Prompt, Scenario
 from conformance.engine.served import ServedRound, served_rounds
 from conformance.engine.simulate import ReferenceRound, chain_rounds, tree_rounds
 from conformance.acceptance.trained_draft import TrainedDraft
+from reference.tree import Attends
 
 
 @dataclass
@@ -144,14 +145,15 @@ class EngineLane:
         return self._chains[key]
 
     def tree(self, group: EngineGroup, prompt: Prompt, num_draft_tokens: int, new_tokens: int,
-             kv: str) -> list[ReferenceRound]:
-        """The reference tree's speculative decoding of the same request (kv: reference/tree.py KV_RULES)."""
-        key = (prompt, group.steps, group.topk, num_draft_tokens, new_tokens, kv)
+             attends: Attends) -> list[ReferenceRound]:
+        """The reference tree's speculative decoding of the same request (attends: its attention rule,
+        reference/tree.py)."""
+        key = (prompt, group.steps, group.topk, num_draft_tokens, new_tokens, attends)
         if key not in self._chains:
             start = time.perf_counter()
             self._chains[key] = tree_rounds(
                 self.reference.model, self.target, self.prompt_ids(prompt), self.greedy(prompt, new_tokens),
-                self.trained.config.aux_layer_ids, group.steps, group.topk, num_draft_tokens, new_tokens, kv)
+                self.trained.config.aux_layer_ids, group.steps, group.topk, num_draft_tokens, new_tokens, attends)
             self.reference_seconds += time.perf_counter() - start
         return self._chains[key]
 

@@ -15,7 +15,7 @@ from conformance.acceptance.acceptance import draft_and_verify
 from conformance.core.trace import Trace
 from conformance.acceptance.trained_draft import GreedyTarget, one_thread
 from reference.eagle3 import DraftBatch
-from reference.tree import draft_tree
+from reference.tree import Attends, ancestors, draft_tree
 
 
 @dataclass
@@ -81,28 +81,29 @@ def tree_accepted(target: GreedyTarget, context: torch.Tensor, tokens: torch.Ten
 
 @one_thread()
 def tree_round(ref, target: GreedyTarget, context: torch.Tensor, aux_ids: tuple[int, ...], steps: int, topk: int,
-               num_draft_tokens: int, kv: str) -> ReferenceRound:
-    """The reference tree (kv "ancestors": the exact tree; "row_slots": SGLang's KV columns) drafted on
+               num_draft_tokens: int, attends: Attends) -> ReferenceRound:
+    """The reference tree (attends: `ancestors` the exact tree; row_slot_kv SGLang's KV columns) drafted on
     `context`, and what greedy verification accepts of it."""
     from conformance.adapters.reference import ReferenceAdapter
 
-    trace = draft_tree(ref, draft_batch(target, context, aux_ids), steps, topk, num_draft_tokens, kv=kv)
+    trace = draft_tree(ref, draft_batch(target, context, aux_ids), steps, topk, num_draft_tokens, attends)
     last = trace[-1]
     tokens, index, parents = last["tree_tokens"][0], last["tree_index"][0], last["tree_parents"][0]
     accepted = tree_accepted(target, context, tokens, tree_parent_nodes(index, parents, topk))
-    name = "reference tree" if kv == "ancestors" else "reference tree with SGLang's row-slot KV"
+    name = "reference tree" if attends is ancestors else "reference tree with SGLang's row-slot KV"
     return ReferenceRound(context, Trace(impl=name, dtype=ref.dtype, steps=trace, rows=[{} for _ in trace],
                                          claimed_stages=ReferenceAdapter.claimed_stages,
                                          num_layers=ref.cfg.num_hidden_layers), tokens, accepted)
 
 
 def tree_rounds(ref, target: GreedyTarget, prompt: list[int], greedy: list[int], aux_ids: tuple[int, ...],
-                steps: int, topk: int, num_draft_tokens: int, new_tokens: int, kv: str) -> list[ReferenceRound]:
+                steps: int, topk: int, num_draft_tokens: int, new_tokens: int,
+                attends: Attends) -> list[ReferenceRound]:
     """Greedy tree speculative decoding of one request with SGLang's stop rule. Every accepted token is
     the target's greedy token, so round r's context is the prompt and the first tokens of `greedy`."""
     rounds, committed = [], 1     # the prefill commits the first token
     while not rounds or committed < new_tokens:
         context = torch.tensor(prompt + greedy[:committed])
-        rounds.append(tree_round(ref, target, context, aux_ids, steps, topk, num_draft_tokens, kv))
+        rounds.append(tree_round(ref, target, context, aux_ids, steps, topk, num_draft_tokens, attends))
         committed += rounds[-1].accepted + 1
     return rounds

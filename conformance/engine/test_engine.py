@@ -12,6 +12,7 @@ from fractions import Fraction
 
 import pytest
 
+from conformance.adapters.sglang.drafting import row_slot_kv
 from conformance.core.matching import KnownDivergenceHit, match_forward, settle
 from conformance.core.registry import applicable
 from conformance.core.sections import Section
@@ -20,6 +21,7 @@ from conformance.engine.check import compare_tree_round
 from conformance.engine.findings import scenario_findings
 from conformance.engine.reporting import record_accept_rows, record_group, record_request
 from conformance.engine.scenarios import GROUPS
+from reference.tree import ancestors
 
 pytestmark = pytest.mark.engine
 
@@ -90,8 +92,8 @@ def test_served_tree_rounds_vs_exact_tree(group, scenario, engine_lane, report, 
     ndt = run.resolved["speculative_num_draft_tokens"]
     hits = []
     for i, req in enumerate(scenario_run.requests):
-        exact = engine_lane.tree(group, req.prompt, ndt, scenario.new_tokens, "ancestors")
-        slots = engine_lane.tree(group, req.prompt, ndt, scenario.new_tokens, "row_slots")
+        exact = engine_lane.tree(group, req.prompt, ndt, scenario.new_tokens, ancestors)
+        slots = engine_lane.tree(group, req.prompt, ndt, scenario.new_tokens, row_slot_kv)
         for r, served_round in enumerate(req.rounds):
             case = f"{scenario.id}, request {i} (seq {req.prompt.seq}), round {r}"
             cmp = compare_tree_round(served_round, exact[r], case)

@@ -44,12 +44,12 @@ def test_sglang_feeding_post_norm_hidden_fails_at_step_1(drafts):
 class ResidualAfterNormFromStep1(Eagle3Reference):
     """The plant: from step 1 on, layer 0 adds attention to the normed hidden instead of the raw one."""
 
-    def layer(self, i, h, embeds, cos, sin, cache, visible, stages):
+    def layer(self, i, h, embeds, cos, sin, cache, visible):
         step = len(cache[i][0])   # steps already cached in this layer
         if i == 0 and step >= 1:
             planted = dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, norm_before_residual=True))
-            return Eagle3Reference.layer(planted, i, h, embeds, cos, sin, cache, visible, stages)
-        return super().layer(i, h, embeds, cos, sin, cache, visible, stages)
+            return Eagle3Reference.layer(planted, i, h, embeds, cos, sin, cache, visible)
+        return super().layer(i, h, embeds, cos, sin, cache, visible)
 
 
 def test_residual_after_norm_from_step_1_fails_at_step_1(drafts):

@@ -15,6 +15,7 @@ from transformers.models.llama import modeling_llama as hf
 from conformance.core.compare import compare_tensors
 from fixtures.tiny import ROPE_SCALINGS, make_config, with_changes
 from reference import eagle3 as ref
+from reference.rope import rope_cos_sin, rotate
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 F32 = torch.float32
@@ -78,13 +79,13 @@ def test_rotary_matches_llama_rotary_embedding(rope):
     positions = torch.tensor([0, 1, 2, 5, 17, 40, 63])   # small: HF's fp32 angles stay within fp32 tolerance
     x = torch.zeros(1, positions.numel(), cfg.hidden_size, dtype=F32)
     cos_hf, sin_hf = rotary(x, positions[None])
-    cos, sin = ref.rope_cos_sin(cfg, positions, F32)
+    cos, sin = rope_cos_sin(cfg, positions, F32)
     assert_same(f"rope_{rope}.cos", cos, cos_hf[0])
     assert_same(f"rope_{rope}.sin", sin, sin_hf[0])
     q = torch.randn(positions.numel(), cfg.num_attention_heads, cfg.head_dim,
                     generator=torch.Generator().manual_seed(5), dtype=F32)
     expected, _ = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[None], sin[None])
-    assert_same("q_rot", ref.rotate(q, cos, sin), expected[0].transpose(0, 1))
+    assert_same("q_rot", rotate(q, cos, sin), expected[0].transpose(0, 1))
 
 
 @pytest.mark.parametrize("attention_bias", [False, True], ids=["no_bias", "bias"])
@@ -96,14 +97,14 @@ def test_attention_matches_llama_attention(attention_bias, kv_heads):
     T = 9
     x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(7), dtype=F32)
     positions = torch.arange(T)
-    cos, sin = ref.rope_cos_sin(cfg, positions, F32)
+    cos, sin = rope_cos_sin(cfg, positions, F32)
     expected, _ = attn(x[None], position_embeddings=(cos[None], sin[None]), attention_mask=causal_mask(T))
 
     q = ref.linear(x, w, "self_attn.q_proj").view(T, cfg.num_attention_heads, cfg.head_dim)
     k = ref.linear(x, w, "self_attn.k_proj").view(T, kv_heads, cfg.head_dim)
     v = ref.linear(x, w, "self_attn.v_proj").view(T, kv_heads, cfg.head_dim)
     visible = ref.visibility(torch.zeros(T, dtype=torch.long), positions, step=0, window=None)
-    core = ref.attention(ref.rotate(q, cos, sin), [ref.rotate(k, cos, sin)], [v], visible, cfg)
+    core = ref.attention(rotate(q, cos, sin), [rotate(k, cos, sin)], [v], visible, cfg)
     assert_same("attn_out", ref.linear(core, w, "self_attn.o_proj"), expected[0])
 
 
@@ -115,12 +116,12 @@ def test_decoder_layer_matches_llama_decoder_layer():
     T = 6
     h = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(9), dtype=F32)
     positions = torch.arange(T)
-    cos, sin = ref.rope_cos_sin(cfg, positions, F32)
+    cos, sin = rope_cos_sin(cfg, positions, F32)
     expected = layer(h[None], attention_mask=causal_mask(T), position_embeddings=(cos[None], sin[None]))
     expected = expected[0] if isinstance(expected, tuple) else expected
 
     model = ref.Eagle3Reference(cfg, w, F32)
     visible = ref.visibility(torch.zeros(T, dtype=torch.long), positions, step=0, window=None)
     cache = [([], []), ([], [])]
-    out = model.layer(1, h, None, cos, sin, cache, visible, {})
+    out, _ = model.layer(1, h, None, cos, sin, cache, visible)
     assert_same("layer_out", out, expected[0])

@@ -156,7 +156,7 @@ def test_tree_entries_show_exactly_what_they_register(entry, drafts):
         draft = CASES_BY_ID[case.draft]
         tree = ADAPTERS[entry.impl]().load(drafts.checkpoint(draft)["sglang"], DTYPE).run_tree(
             drafts.batch(draft, 1), case.steps, case.topk, case.num_draft_tokens)
-        first = compare_tree(tree, make_reference_tree(drafts, case, "ancestors"), case).first_divergence
+        first = compare_tree(tree, make_reference_tree(drafts, case), case).first_divergence
         assert first is not None and (first.step, first.stage) == (entry.step, entry.stage), (
             f"{entry.id}: tree case {case.id} first diverges at "
             f"{'nothing' if first is None else (first.step, first.stage)}, not {entry.place}")

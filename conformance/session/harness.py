@@ -16,6 +16,7 @@ import torch
 import pytest
 
 from conformance.adapters import ADAPTERS
+from conformance.adapters.base import ServedBatch
 from conformance.core.trace import Trace, Unsupported
 from conformance.core.compare import Comparison, compare_traces
 from conformance.core.common import first_line
@@ -58,7 +59,8 @@ class DraftStore:
     def batch(self, case: DraftCase, steps: int = 1, teacher_forced: bool = True) -> DraftBatch:
         batch = make_batch(case.config, case.lengths, torch.Generator().manual_seed(case.seed + 1), steps,
                            positions_from=case.positions_from, teacher_forced=teacher_forced)
-        batch.cached_prefix = case.cached_prefix
+        if case.cached_prefix:   # a serving notion: only the servers read it
+            batch = ServedBatch(**vars(batch), cached_prefix=case.cached_prefix)
         return batch
 
     def trace(self, impl: str, case: DraftCase, dtype: torch.dtype, steps: int = 1,

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
+from conformance.adapters.base import cached_prefix
 from conformance.core.trace import Trace
 from conformance.adapters.sglang.runtime import ATTENTION_BACKEND, make_pools
 from reference.eagle3 import DraftBatch
@@ -53,6 +54,14 @@ def draft_kv_layout(slots: list[torch.Tensor], lengths: list[int], topk: int, st
     return out_cache_loc, rows
 
 
+def row_slot_kv(nodes: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """draft_kv_layout as an attention rule of the reference tree (reference/tree.py, `attends`): tree row
+    r reads column r, so a row of the next depth attends to the nodes that held its row before, wherever
+    its parent was (test_tree.py, note 4). The exact tree's rule follows the parent (`nodes[parent]`); the
+    reference with this one is what shows that SGLang's tree divergence is this layout and nothing else."""
+    return nodes
+
+
 # ------------------------------------------------------------ the chain (topk == 1)
 
 def extend(loaded, batch: DraftBatch, backend, slots: list[torch.Tensor], lengths: list[int]):
@@ -65,14 +74,14 @@ def extend(loaded, batch: DraftBatch, backend, slots: list[torch.Tensor], length
     B, T = len(lengths), sum(lengths)
     last = torch.tensor(lengths).cumsum(0) - 1
     req_pool_indices = torch.arange(1, B + 1, dtype=torch.int64)
-    # Each sequence is one request. With `cached_prefix`, the leading tokens of each request are
+    # Each sequence is one request. With a cached prefix (ServedBatch), the leading tokens of each request are
     # extended first and the rest extends over that cached prefix (chunked prefill), as a server
     # does with long prompts.
     # Copies: SGLang's forward must never write into the caller's batch.
     aux = batch.aux.to(loaded.dtype, copy=True)
     input_ids = batch.input_ids.long().clone()
     starts = last + 1 - torch.tensor(lengths)
-    prefix = list(batch.cached_prefix) if batch.cached_prefix else [0] * B
+    prefix = list(cached_prefix(batch) or [0] * B)
     if not all(0 <= p < n for p, n in zip(prefix, lengths)):
         raise ValueError(f"cached_prefix {prefix} must leave at least one token of each sequence {lengths}")
     chunks = [[(0, p) for p in prefix], [(p, n) for p, n in zip(prefix, lengths)]] if any(prefix) else \

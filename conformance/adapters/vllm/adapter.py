@@ -21,9 +21,8 @@ from typing import ClassVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from conformance.adapters.base import Drafter, TimedPass, chain_drafter
+from conformance.adapters.base import Drafter, TimedPass, cached_prefix, chain_drafter
 from conformance.adapters.vllm.process import DTYPE_NAMES, MISSING, Worker, venv, venv_python
-
 from conformance.core.trace import Trace
 from conformance.core import stages
 from reference.eagle3 import DraftBatch, Eagle3Config
@@ -118,7 +117,8 @@ class LoadedVLLM:
         if batch.next_ids is not None:
             tensors["next_ids"] = batch.next_ids
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(job / "batch.safetensors"))
-        meta = {"cached_prefix": list(batch.cached_prefix) if batch.cached_prefix else None}
+        prefix = cached_prefix(batch)
+        meta = {"cached_prefix": list(prefix) if prefix else None}
         answer = self.worker.ask("run", handle=self.handle, batch=str(job / "batch.safetensors"),
                                  out=str(job / "trace.safetensors"), steps=steps, record=record, meta=meta,
                                  plant=plant)
