@@ -1,5 +1,5 @@
 """A loader's `weight_loader` calls observed: the shared piece of SGLang's and vLLM's weight accounting
-(conformance/adapters/sglang/weights.py, conformance/adapters/vllm/worker.py), whose loaders both hand each
+(conformance/adapters/sglang/weights.py, conformance/adapters/vllm/worker_accounting.py), whose loaders both hand each
 checkpoint tensor to the target parameter's `weight_loader` attribute (a shard id for fused ones).
 
 Self-contained (imports nothing): vLLM's worker runs in vLLM's own environment and imports this file by path.

@@ -1,12 +1,20 @@
 """Self-tests of the vLLM lane: the harness around vLLM's draft (its worker, its shims) and the lane split.
 
 Planted harness faults in the worker must show as a divergence at attention, where they act: the KV-write
-shim writing each row one slot on, and requests given vLLM's null block 0 (worker.py: tables start at 1).
+shim writing each row one slot on, and requests given vLLM's null block 0 (worker_run.py: tables start at 1).
 The same draft without a plant conforms. These run in the vLLM lane (parametrized with the adapter).
-The lane split itself (conformance/plugin.py own_lanes) runs in the default lane, on stand-in items.
+The lane split itself (conformance/plugin.py own_lanes) runs in the default lane, on stand-in items, and so do
+the checks of the worker's files (worker.py and every file it imports by name, found from its imports): each
+imports only vLLM, torch, safetensors, the standard library and the worker's own files, and each imports alone,
+in a fresh interpreter, with vLLM and the project's packages refused, as worker.py's process would find them.
 """
 from __future__ import annotations
 
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +22,7 @@ import torch
 
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import lane_of
+from conformance.adapters.vllm.adapter import WORKER
 from conformance.core.compare import compare_traces
 from fixtures.cases import CASES_BY_ID
 
@@ -79,7 +88,7 @@ def test_an_own_lane_test_leaves_the_default_lane(missing, monkeypatch, tmp_path
 @pytest.mark.parametrize("impl", [name for name in OWN_LANE if hasattr(ADAPTERS[name], "served_boundaries")])
 def test_the_observed_capture_follows_the_target_class(impl, wiring, tmp_path, repro):
     """The served list of a class that runs here is read off its forward, not from the ids: a planted runner that
-    hands the target every id plus one (worker.py capture, plant "ids_one_deeper") moves what the forward
+    hands the target every id plus one (worker_capture.py, plant "ids_one_deeper") moves what the forward
     captures one boundary deeper, away from the ids the derivation reads."""
     from conformance.adapters.vllm.process import Worker
     from conformance.wiring.cases import CASES_BY_ID, N
@@ -95,3 +104,140 @@ def test_the_observed_capture_follows_the_target_class(impl, wiring, tmp_path, r
     assert clean["ran"] and clean["served"] == list(case.boundaries), f"{clean} ({repro})"
     # one deeper; a boundary past the last layer's output (N) is never captured
     assert planted["served"] == [b + 1 for b in case.boundaries if b + 1 <= N], f"{planted} ({repro})"
+
+
+# ---------------------------------------------------------------- the worker's files, in the default lane
+
+ROOT = Path(__file__).resolve().parents[2]
+# The folders worker.py puts on sys.path: its own (a script's) and observed_loaders.py's.
+WORKER_PATH = (WORKER.parent, ROOT / "conformance" / "loading")
+# What the worker's environment gives it besides the standard library and its own files.
+WORKER_PACKAGES = {"torch", "safetensors", "vllm"}
+# Refused when a file is imported alone: vLLM (imported only where used, so that each file loads without it) and
+# the project's packages (they need the project's torch and transformers, not vLLM's).
+REFUSED = sorted({"vllm"} | {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()})
+
+
+def imports(path: Path) -> list[str]:
+    """The top-level names `path` imports, anywhere in it (a lazy import in a function included)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+            names.append(node.module.split(".")[0])
+    return names
+
+
+def own_file(name: str, folders=WORKER_PATH) -> Path | None:
+    return next((f / f"{name}.py" for f in folders if (f / f"{name}.py").exists()), None)
+
+
+def worker_files(entry: Path = WORKER, folders=WORKER_PATH) -> list[Path]:
+    """The entry point and every file it imports by name from the folders on its path, transitively."""
+    found, todo = set(), [entry]
+    while todo:
+        path = todo.pop()
+        if path not in found:
+            found.add(path)
+            todo += [p for p in (own_file(name, folders) for name in imports(path)) if p is not None]
+    return sorted(found)
+
+
+def foreign(path: Path, folders=WORKER_PATH) -> list[str]:
+    """What `path` imports that vLLM's environment does not give the worker."""
+    return sorted({name for name in imports(path) if name not in sys.stdlib_module_names
+                   and name not in WORKER_PACKAGES and own_file(name, folders) is None})
+
+
+# Run by a fresh interpreter (-I: no PYTHONPATH, no working folder on the path) with every name in REFUSED refused
+# by the first finder asked; each file is imported in a child of its own (forked after torch, which every file may
+# import, is imported once), with its folders first on the path. Answers {name: its __file__ or the traceback}.
+IMPORT_ALONE = """
+import importlib, json, os, sys, traceback
+refused, files = sys.argv[1].split(","), json.loads(sys.argv[2])
+
+class Refuse:
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in refused:
+            raise ModuleNotFoundError(f"{fullname} refused: the worker's files import without it", name=fullname)
+
+sys.meta_path.insert(0, Refuse())
+import safetensors.torch, torch
+answers = {}
+for name, folders in files:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        sys.path[:0] = folders
+        try:
+            answer = {"file": importlib.import_module(name).__file__}
+        except BaseException:
+            answer = {"error": traceback.format_exc()}
+        with os.fdopen(write, "w") as channel:
+            channel.write(json.dumps(answer))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as channel:
+        answers[name] = json.loads(channel.read() or '{"error": "the child died"}')
+    os.waitpid(pid, 0)
+print(json.dumps(answers))
+"""
+
+
+def import_alone(files: dict[Path, tuple], cwd: Path) -> dict[str, dict]:
+    """Each file (with the folders it is imported from) imported alone: {its name: {"file"} or {"error"}}."""
+    spec = json.dumps([[path.stem, [str(f) for f in folders]] for path, folders in files.items()])
+    done = subprocess.run([sys.executable, "-I", "-c", IMPORT_ALONE, ",".join(REFUSED), spec], capture_output=True,
+                          text=True, cwd=cwd, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+WORKER_FILES = worker_files()
+
+
+def test_the_worker_is_split_into_files_beside_it():
+    """worker.py's jobs are files beside it that it imports (none orphaned, none outside the two folders)."""
+    beside = set(WORKER.parent.glob("worker*.py"))
+    assert beside <= set(WORKER_FILES), f"beside worker.py but not imported by it: {sorted(beside - set(WORKER_FILES))}"
+    assert {p.parent for p in WORKER_FILES} <= set(WORKER_PATH), WORKER_FILES
+    # first on sys.path, an own file named like a standard module would shadow it for vLLM as well
+    assert not [p.name for p in WORKER_FILES if p.stem in sys.stdlib_module_names]
+
+
+@pytest.mark.parametrize("path", WORKER_FILES, ids=lambda p: p.name)
+def test_a_worker_file_imports_only_what_vllms_environment_has(path):
+    assert foreign(path) == [], f"{path.name} imports {foreign(path)}: not in vLLM's environment (worker.py)"
+
+
+@pytest.fixture(scope="module")
+def imported_alone(tmp_path_factory):
+    # worker.py starts with its own folder on the path, as a script does; it adds the other folder itself
+    return import_alone({p: WORKER_PATH[:1] if p == WORKER else WORKER_PATH for p in WORKER_FILES},
+                        tmp_path_factory.mktemp("alone"))
+
+
+@pytest.mark.parametrize("path", WORKER_FILES, ids=lambda p: p.name)
+def test_a_worker_file_imports_alone_without_vllm_or_the_project(path, imported_alone):
+    answer = imported_alone[path.stem]
+    assert "error" not in answer, f"{path.name} does not import alone:\n{answer['error']}"
+    assert answer["file"] == str(path), answer   # this file, not a namesake elsewhere on the path
+
+
+def test_the_worker_file_checks_catch_planted_imports(tmp_path):
+    """A planted file beside a planted entry point: a project import at the top, vLLM at the top, and the
+    transformers a function imports; each check must name what it catches."""
+    (tmp_path / "entry.py").write_text("import worker_planted  # noqa\n")
+    planted = tmp_path / "worker_planted.py"
+    planted.write_text("import torch\nfrom conformance.core import stages\n\n\ndef later():\n"
+                       "    import transformers\n")
+    assert worker_files(tmp_path / "entry.py", (tmp_path,)) == [tmp_path / "entry.py", planted]
+    assert foreign(planted, (tmp_path,)) == ["conformance", "transformers"]
+    answer = import_alone({planted: (tmp_path,)}, tmp_path)["worker_planted"]
+    assert "conformance refused" in answer.get("error", ""), answer
+    planted.write_text("import torch\nimport vllm\n")
+    assert foreign(planted, (tmp_path,)) == []   # the worker's environment has vLLM: only the import alone catches it
+    answer = import_alone({planted: (tmp_path,)}, tmp_path)["worker_planted"]
+    assert "vllm refused" in answer.get("error", ""), answer

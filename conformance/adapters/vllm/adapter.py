@@ -27,7 +27,7 @@ from conformance.core.trace import Trace
 from conformance.core import stages
 from reference.eagle3 import DraftBatch, Eagle3Config
 
-# What a benchmark times, per step: the pass replayed in the worker and timed there (worker.replay).
+# What a benchmark times, per step: the pass replayed in the worker and timed there (worker_replay.py).
 TIMED = ("vLLM's step 0 in its worker: combine_hidden_states, the model over every token, compute_logits on each "
          "request's last (timed inside the worker: no pipe)",
          "vLLM's draft step 1 in its worker: one query per request on its last token, compute_logits (timed inside "
@@ -96,7 +96,7 @@ class VLLMAdapter:
         return served_boundaries(draft_dir, target_config, num_layers, runner or self.runners[0])
 
     def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None):
-        """vLLM's load observed in the worker (worker.account), accounted for here (accounting.py)."""
+        """vLLM's load observed in the worker (worker_accounting.py), accounted for here (accounting.py)."""
         from conformance.adapters.vllm.weights import account
 
         return account(self, Path(ckpt_dir), dtype, target, loaded=LoadedVLLM)
@@ -110,7 +110,7 @@ class LoadedVLLM:
         weakref.finalize(self, _drop, worker, self.handle)
 
     def run(self, batch: DraftBatch, steps: int = 1, record: bool = True, plant: str | None = None) -> Trace:
-        """`plant`: a harness fault of worker.PLANTS, for the meta tests only."""
+        """`plant`: a harness fault of worker_run.PLANTS, for the meta tests only."""
         job = self.worker.scratch()
         tensors = {"aux": batch.aux, "input_ids": batch.input_ids, "positions": batch.positions,
                    "seq_ids": batch.seq_ids}
@@ -135,7 +135,7 @@ class LoadedVLLM:
                      claimed_stages=VLLMAdapter.claimed_stages, num_layers=self.num_layers)
 
     def timed_pass(self, batch: DraftBatch, step: int):
-        """Pass `step` of a two-step run, replayed alone in the worker (worker.replay) and timed there: its clock
+        """Pass `step` of a two-step run, replayed alone in the worker (worker_replay.py) and timed there: its clock
         advances by the seconds the worker measured, so the pipe and files are not part of the figure."""
         self.run(batch, 2, record=False)
         clock = WorkerClock()

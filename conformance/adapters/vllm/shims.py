@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 APPLIED: list[str] = []   # what was installed in this process, for the trace notes
-SLOT_SHIFT = 0            # a planted fault for the meta tests only (worker.py PLANTS): write each row one slot on
+SLOT_SHIFT = 0            # a planted fault for the meta tests only (worker_run.py PLANTS): write each row one slot on
 
 
 def needed() -> bool:

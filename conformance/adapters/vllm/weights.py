@@ -1,5 +1,5 @@
 """vLLM's weight accounting: its `load_weights` replayed in the worker with every parameter's `weight_loader`
-observed (worker.account), and accounted for here like SGLang's (conformance/adapters/sglang/weights.py):
+observed (worker_accounting.py), and accounted for here like SGLang's (conformance/adapters/sglang/weights.py):
 which checkpoint tensor reached which parameter, and which rows of a fused one (qkv_proj, gate_up_proj);
 every landing verified bit for bit against the checkpoint (conformance/loading/accounting.py), the padded
 vocabulary rows of embed_tokens / lm_head (VocabParallelEmbedding pads to a multiple of 64) aside.

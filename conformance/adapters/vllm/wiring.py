@@ -1,5 +1,5 @@
 """vLLM as a serving side of the target wiring: which target boundaries vLLM feeds a draft, read by vLLM's
-own code in the worker (worker.py aux_layers: its config readers, its model runner's id selection, the
+own code in the worker (worker_ids.py aux_layers: its config readers, its model runner's id selection, the
 target's default list).
 
 The ids become boundaries by vLLM's capture convention, the same in every target class the suite's wiring
@@ -12,7 +12,7 @@ output before the final norm), captured in forward order, each boundary once:
   is listed, and after the last layer for N (deepseek_v2.py:1561-1568, :1586-1587); before layer 0 the
   residual is None, so id 0 raises (`hidden_states + residual`).
 Where vLLM's target class runs on this host (Llama, Qwen3: the shims' attention), the served list is
-observed (worker.py capture): the class built by get_model with its aux layers set as its model runner sets
+observed (worker_capture.py): the class built by get_model with its aux layers set as its model runner sets
 them, one forward, each returned aux state matched exactly to a boundary; and the derivation above must give
 the same list (conformance/wiring/test_serving_sides.py). Where it does not (DeepSeek-V3 / Kimi-K2.5: MLA
 attention has no backend on a CPU host; gpt-oss: no unquantized MoE backend), the list is derived, and says so.

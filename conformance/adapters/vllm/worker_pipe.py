@@ -1,0 +1,32 @@
+"""The worker's pipe to adapter.py: one JSON request per line on stdin, one JSON answer per line on the
+original stdout, which `claim_stdout` keeps for the answers alone. Part of the worker (worker.py): runs in vLLM's
+environment, imports only the standard library."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def claim_stdout():
+    """The protocol channel is the original stdout; everything else (vLLM's logging, warnings) goes to stderr.
+    worker.py calls it before importing torch or vLLM, so that nothing they print can reach the channel."""
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
+
+
+def requests():
+    """The adapter's requests, one per line, until it closes the pipe."""
+    for line in sys.stdin:
+        yield json.loads(line)
+
+
+def send(channel, answer: dict) -> None:
+    channel.write(json.dumps(answer) + "\n")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
