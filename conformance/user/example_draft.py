@@ -40,10 +40,11 @@ PLANTS = {
 
 
 def write_example(root: Path, fmt: str = "specforge", broken: bool = False,
-                  plant: str | None = None) -> tuple[Path, Path, Path]:
-    """(draft dir, JSONL file, hidden-state dump dir) under `root`."""
+                  plant: str | None = None, knobs: dict | None = None) -> tuple[Path, Path, Path]:
+    """(draft dir, JSONL file, hidden-state dump dir) under `root`; `knobs`: further config overrides."""
     broken = broken or plant == DROPPED_TENSOR
-    cfg = make_config(**{**EXAMPLE, **PLANTS[plant]}) if plant else EXAMPLE_CONFIG
+    cfg = make_config(**{**EXAMPLE, **(PLANTS[plant] if plant else {}), **(knobs or {})}) if plant or knobs \
+        else EXAMPLE_CONFIG
     weights = make_draft_weights(cfg, torch.Generator().manual_seed(SEED))
     if broken:
         weights["fc.bias"] = 0.5 * torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(SEED + 5))

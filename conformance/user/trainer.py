@@ -117,9 +117,9 @@ def possible_trainers(cfg) -> str:
         refused = registry.applicable("load", impl, names)
         why = ADAPTERS[impl]().unsupported(cfg) or (f"its loader refuses it: {refused[0].id}" if refused else "")
         (cannot if why else can).append(f"{who} ({why})" if why else who)
-    return ("judged against training semantics (the reference), no trainer's implementation run; could have been "
-            f"trained by {' or '.join(can) if can else 'none of the trainers here'}"
-            + (f"; not by {', '.join(cannot)}" if cannot else "") + " (what each implementation can express)")
+    return ("judged against training semantics (the reference), no trainer's implementation run; by what each "
+            f"trainer's implementation here can express, it could have been trained by "
+            f"{' or '.join(can) if can else 'none of them'}" + (f", not by {', '.join(cannot)}" if cannot else ""))
 
 
 def layer_names(ids) -> str:
