@@ -119,7 +119,7 @@ ISSUE_23 = [
     # A tree of 3 steps: the registry's tree entry applies, a problem with its reason and a chain as the fix.
     Plant("tree_flags", "sglang", None, 1, 1,
           ("sglang-tree-kv-follows-row-slots", "cache_locs.py:262-268", "--speculative-eagle-topk 1"),
-          (f"--sglang-args={TREE_ARGS}",), absent=("topk > 1",)),
+          (f"--sglang-args={TREE_ARGS}",), absent=("--speculative-eagle-topk > 1",)),   # the old tree advice
     # SGLang's format does not say who trained it: judged against the reference, speculators' refusal of
     # target_hidden_size != hidden_size is no problem, and the trainers that could have written it are named.
     Plant("trainer_unknown", "sglang", None, NOT_CHECKED, 0,
