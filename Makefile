@@ -27,9 +27,13 @@ PARALLEL = $(if $(filter-out 0,$(WORKERS)),-n$(WORKERS) --dist=loadfile)
 conformance: venv
 	$(PYTEST) $(PARALLEL) -m "cpu and not meta" --report=$(REPORT)
 
-# Your draft, one verdict (README "Quick start", docs/your-draft.md): only the checks on your files, the verdict
-# at the end and at the top of $(REPORT)/report.md. pytest exits 0 served as trained, 1 not, 4 bad input (make
-# itself exits 2 whenever pytest does not exit 0). Optional: DATA (JSONL samples), HIDDEN (their hidden
+# Your draft, one verdict (README "Quick start", docs/your-draft.md): only the checks on your files, the verdict at the
+# end and at the top of $(REPORT)/report.md. pytest exits 0 served as trained, 1 not, 4 bad input, 6 not
+# checked (no problem in what ran, but a check needed an input not given: the headline names it and the option;
+# pytest itself uses 0-5). The recipe's status is pytest's, unchanged: make prints it ("Error 6"), but GNU make's
+# own exit status is only ever 0, 1 or 2, so `make check` exits 2 for all of 1, 4 and 6. A gate that needs the
+# code runs the same check as `eagle3-conformance check DRAFT ...` (its exit status is pytest's), or reads
+# verdict.exit_code in $(REPORT)/report.json. Optional: DATA (JSONL samples), HIDDEN (their hidden
 # states), TARGET (the target's config.json), SGLANG_ARGS (the server flags), TRAINER (see --trainer),
 # TRAINED_AUX (the layers training captured, e.g. embed,3,31, when config.json was rewritten for serving),
 # SERVE_WITH (the server(s) to check against: sglang, the default, vllm (docs/vllm-lane.md) or both).
@@ -100,17 +104,20 @@ version-lane: $(if $(RELEASE),venv)
 	@test -n "$(RELEASE)" || { echo "usage: make version-lane RELEASE=sglang==0.5.22 (list: $(PY) -m conformance.versions list)" >&2; exit 4; }
 	$(PY) -m conformance.versions lane "$(RELEASE)" --reports $(REPORT)/versions $(PARALLEL)
 
-# The suite installed into a user's own serving environment (docs/your-draft.md, "Install into your serving
-# environment"), as a user would: a fresh $(USER_ENV) holding torch, sglang $(USER_SGLANG) and speculators
-# $(USER_SPECULATORS) with their own runtime dependencies (the lock's lines for them, --no-deps: their declared
-# dependencies are CUDA-only; plus the release's own lock when it has one), then the two install commands of
-# docs/your-draft.md, then the entry point on a tiny draft that the installed package writes, run outside this
-# repository. Passes when the verdict is "served as trained" and names sglang $(USER_SGLANG). Prints the time and size
-# of each part.
+# The suite installed into a user's own serving environment (docs/your-draft.md, "Install into your serving environment"),
+# as a user would: a fresh $(USER_ENV) holding torch, sglang $(USER_SGLANG) and speculators $(USER_SPECULATORS)
+# with their own runtime dependencies (the lock's lines for them, --no-deps: their declared dependencies are
+# CUDA-only; plus the release's own lock when it has one), then the two install commands of docs/your-draft.md, then the
+# entry point on a tiny draft that the installed package writes (with its target's config and server flags: every
+# check runs), outside this repository. Passes when the verdict is "served as trained" and names sglang
+# $(USER_SGLANG). Prints the time and size of each part.
 USER_ENV ?= .venv-user
 USER_SGLANG ?= 0.5.22
 USER_SPECULATORS ?= 0.9.0
 USER_PIP = $(USER_ENV)/bin/python -m pip install --quiet --disable-pip-version-check
+# Every input of the example (conformance/user/example_draft.py), so that every check runs: its server flags.
+EXAMPLE_SGLANG_ARGS = --speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4 \
+	--context-length 2048
 # The lock's tools of this repository's own runs, neither a serving dependency nor a need of the suite.
 DEV_TOOLS = ruff|pytest-xdist|execnet
 .PHONY: user-env-check
@@ -130,7 +137,7 @@ user-env-check:
 	../bin/python -c "import conformance; assert 'site-packages' in conformance.__file__, conformance.__file__"; \
 	../bin/python -m conformance.user.example_draft example; \
 	../bin/eagle3-conformance check example/draft --data example/train.jsonl --hidden example/hidden_states \
-		--report report; \
+		--target-config example/target/config.json --sglang-args "$(EXAMPLE_SGLANG_ARGS)" --report report; \
 	grep -q "^VERDICT: served as trained" report/report.md; \
 	grep -q "versions: .*sglang $(USER_SGLANG)" report/report.md; \
 	t3=$$(date +%s); \

@@ -4,10 +4,12 @@
                                    [--trainer NAME] [--trained-aux-layers LAYERS] [--report DIR] [-- PYTEST_ARGS]
 
 runs exactly the checks of `make check DRAFT=...` (the root Makefile), against the implementations installed
-next to it, and exits as it does: 0 served as trained, 1 not, 4 bad input. The verdict names the versions
-that ran. First, the suite's own needs (requirements-suite.txt) and every implementation the verdict drives
-must be installed, each implementation at a release inside the range its adapter is tested against
-(`releases`): otherwise one line and exit 4, before any of them is imported.
+next to it, and exits as it does: 0 served as trained, 1 not, 4 bad input, 6 not checked (no problem in
+what ran, but a check needs an input not given: the verdict names it and its option; pytest uses 0-5).
+The verdict names the versions that ran. First, the suite's own needs (requirements-suite.txt) and every
+implementation the verdict drives must be installed, each implementation at a release inside the range its
+adapter is tested against (`releases`): otherwise one line and exit 4, before any of them is imported. So is
+a server --serve-with names that lives in an environment of its own which is not built (vLLM: make venv-vllm).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from packaging.version import InvalidVersion
 
 PROG = "eagle3-conformance"
 BAD_INPUT = 4   # pytest's usage-error code, what `make check` documents for bad input
+NOT_CHECKED = 6   # the verdict's "not checked" (conformance/user/verdict.py): a code pytest never uses
 PACKAGE = Path(__file__).resolve().parent
 # The repository's pytest.ini, shipped inside the package (a link in the repository, a copy in the wheel):
 # markers, strict xfails, addopts. Not named pytest.ini, or pytest would take it as the configuration of
@@ -59,7 +62,9 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="one verdict on your draft: will your SGLang serve it as trained?",
                                 description="The checks of `make check` on your draft, against the implementations "
-                                            "installed here. Exit 0 served as trained, 1 not, 4 bad input.",
+                                            "installed here. Exit 0 served as trained, 1 not, 4 bad input, 6 not "
+                                            "checked (a check needs an input not given; the verdict names "
+                                            "the option).",
                                 epilog="Arguments after `--` go to pytest as they are. An implementation that is "
                                        "missing, or outside the releases the suite is tested against, is one line "
                                        "and exit 4.")
@@ -106,9 +111,9 @@ def suite_args() -> list[str]:
             "-p", "conformance.plugin", str(PACKAGE)]
 
 
-def refusal() -> str | None:
-    """One line when a need of the suite is missing, or an implementation of the default lane is missing or
-    outside its adapter's releases; else None."""
+def refusal(serve_with: str | None = None) -> str | None:
+    """One line when a need of the suite is missing, an implementation of the default lane is missing or
+    outside its adapter's releases, or a server `serve_with` names cannot run here; else None."""
     missing = [name for name in SUITE_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         return f"{PROG}: the suite's own needs are not installed: {', '.join(missing)} ({SUITE_NEEDS})"
@@ -131,6 +136,11 @@ def refusal() -> str | None:
         if not inside:
             return (f"{PROG}: {adapter.package} {version} is outside the supported releases {spec} "
                     f"(tested: {tested}; the version matrix, docs/releases.md)")
+    if serve_with:
+        from conformance.user.serving import unavailable
+
+        why = unavailable(serve_with)
+        return f"{PROG}: {why}" if why else None
     return None
 
 
@@ -139,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     # After `--`: further pytest arguments, passed as they are.
     cut = argv.index("--") if "--" in argv else len(argv)
     args, extra = parser().parse_args(joined(argv[:cut])), argv[cut + 1:]
-    refused = refusal()
+    refused = refusal(args.serve_with)
     if refused:
         print(refused, file=sys.stderr)
         return BAD_INPUT

@@ -43,7 +43,8 @@ def pytest_addoption(parser):
     group.addoption("--draft-checkpoint", metavar="DIR", default=None,
                     help="your EAGLE-3 draft (speculators, SGLang, legacy SGLang, SpecForge or EAGLE-3 format): runs "
                          "only the checks on your inputs and ends with one verdict (exit 0 served as trained, "
-                         "1 not, 4 bad input)")
+                         "1 not, 4 bad input, 6 not checked: an input a check needs was not given, the verdict "
+                         "names the option)")
     group.addoption("--trainer", default="auto", choices=("auto", "speculators", "specforge", "eagle3"),
                     help="how the draft was trained, i.e. what its aux-layer ids mean, when the checkpoint does not "
                          "say it (default: detected from the checkpoint)")
@@ -211,11 +212,14 @@ def pytest_configure(config):
     """--draft-checkpoint and friends are validated before anything runs: a problem is one line
     naming the file and the field, and a usage error (exit code 4), not a test failure. The verdict
     plugin focuses such a run on the user checks and turns their findings into one verdict."""
+    from conformance.user.serving import unavailable
     from conformance.user.user_draft import configure_user_inputs
     from conformance.user.verdict import USER_MARK, VerdictPlugin
 
     config.addinivalue_line("markers", f"{USER_MARK}: a check on the user's own inputs "
                                        "(--draft-checkpoint runs only these)")
+    if config.getoption("--draft-checkpoint") and (why := unavailable(config.getoption("--serve-with"))):
+        raise pytest.UsageError(why)   # bad input: exit 4, one line, how to build it
     configure_user_inputs(config)
     config.pluginmanager.register(VerdictPlugin(config, _REPORT), "eagle3-verdict")
     worker = getattr(config, "workerinput", None)

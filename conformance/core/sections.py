@@ -48,7 +48,7 @@ class Section(StrEnum):
     ACCEPT_PLANTED = "accept length: planted faults"
     # SGLang's serving engine (conformance/engine)
     ENGINE = "engine: served vs reference, per request"
-    ENGINE_SERVERS = "engine: server arguments as SGLang resolved them (timings: vary run to run)"
+    ENGINE_SERVERS = "engine: server arguments as SGLang resolved them"   # their timings: Recorder.add_timing
     ENGINE_SHIMS = "engine: scheduler-process shims"
     ENGINE_TREE = "engine: tree rounds vs the exact tree"
     ENGINE_FAULTS = "engine: planted serving faults"
@@ -62,4 +62,8 @@ class Recorder(Protocol):
 
     def add_row(self, section: Section, row: dict) -> None:
         """One row of `section`: JSON-able values; a table in report.md."""
+        ...
+
+    def add_timing(self, row: dict) -> None:
+        """Wall-clock figures (they vary run to run): timings.json beside the report, never in report.json/md."""
         ...

@@ -8,7 +8,8 @@ from conformance.engine.lane import GroupRun
 
 
 def record_group(report: Recorder, run: GroupRun, recorded: set) -> None:
-    """Once per engine: the server arguments requested and as SGLang resolved them, the timings, and (once
+    """Once per engine: the server arguments requested and as SGLang resolved them, the timings (apart: they
+    vary run to run, so they are not part of the report), and (once
     per session) the shims with what each changes and what the scheduler process reported doing."""
     if run.group.id in recorded:
         return
@@ -24,9 +25,9 @@ def record_group(report: Recorder, run: GroupRun, recorded: set) -> None:
         "attention": resolved.get("attention_backend"), "page size": resolved.get("page_size"),
         "planted": ", ".join(f"{k}={v}" for k, v in run.group.env.items()) or (
             "source_patcher config" if run.group.fault_yaml else ""),
-        "engine start s": round(run.start_seconds, 1),
-        "serving s": ", ".join(f"{s.scenario.id} {s.seconds:.1f}" for s in run.scenarios.values()),
         "error": run.error or ""})
+    report.add_timing({"engine": run.group.id, "engine start s": round(run.start_seconds, 1),
+                       "serving s": {s.scenario.id: round(s.seconds, 1) for s in run.scenarios.values()}})
     if "shims" not in recorded and run.shims:
         recorded.add("shims")
         for name, what in SHIMS.items():

@@ -49,6 +49,27 @@ def test_report_files_are_identical_run_to_run(drafts, tmp_path):
     assert f"]({CHART_FILE})" in (tmp_path / "a" / "report.md").read_text()
 
 
+def test_wall_clock_figures_stay_out_of_the_report(tmp_path):
+    """The engine lane's timings (engine start, serving per scenario) go to timings.json; report.json and
+    report.md are the same bytes however long the engine took."""
+    from conformance.engine.lane import GroupRun, ScenarioRun
+    from conformance.engine.reporting import record_group
+    from conformance.engine.scenarios import EngineGroup, Scenario
+    from conformance.session.report import TIMINGS_FILE
+
+    scenario = Scenario("one", "a scenario", ())
+    for name, seconds in (("a", 1.25), ("b", 7.5)):
+        report = Report()
+        run = GroupRun(EngineGroup("chain", 3, 1, 4, (scenario,)), {"speculative_num_steps": 3}, {}, seconds,
+                       {"one": ScenarioRun(scenario, [], 2 * seconds)})
+        record_group(report, run, set())
+        report.write(tmp_path / name)
+    for file in ("report.json", "report.md"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), f"{file} differs"
+    timings = [(tmp_path / n / TIMINGS_FILE).read_text() for n in ("a", "b")]
+    assert '"engine start s": 1.2' in timings[0] and '"one": 15.0' in timings[1], timings
+
+
 def part(md: str, heading: str) -> str:
     assert f"\n## {heading}" in md, f"report.md has no section {heading!r}"
     return md.split(f"\n## {heading}", 1)[1].split("\n## ", 1)[0]

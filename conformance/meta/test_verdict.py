@@ -4,7 +4,12 @@ Each problem class is one tiny draft trained with one knob SGLang serves differe
 conformance/user/example_draft.py), written in SGLang's format so that nothing else is wrong with it:
 exit code 1, the verdict line, and the named cause (its registry entry, its file:line) and fix. A
 speculators-format directory fails with SGLang's own refusal as problem 1 and nothing else; a clean draft
-in every format SGLang reads as written exits 0 "served as trained"; bad input exits 4 with one line.
+in every format SGLang reads as written, without the optional inputs, exits 6 with a headline naming what
+was not checked and the option that checks it, and with --target-config and --sglang-args exits 0 "served
+as trained"; bad input exits 4 with one line, and so does a --serve-with server that cannot run here.
+A tree SGLang drafts otherwise (the registry's tree entry) is a problem; a draft that does not say its
+trainer is judged against the reference, never blamed for a trainer's refusal, with the trainers that
+could have written it named.
 The seed, from files: a draft trained on [embed, 3, 31] whose config.json was rewritten to ids SGLang
 turns into [3, 31, 59] on the real Kimi-K2.5 config is exactly that slot-by-slot problem, and the draft
 rewired as the verdict says exits 0; the seed's server flags on a user draft show the 16 -> 2 draft
@@ -35,16 +40,26 @@ from fixtures.real_configs import REAL_CONFIGS
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 2
-HEADLINE = re.compile(r"^VERDICT: (served as trained|NOT served as trained: (\d+) problems?)$", re.M)
+HEADLINE = re.compile(r"^VERDICT: (served as trained|NOT served as trained: (\d+) problems?|"
+                      r"not checked: (.+); what ran is served as trained)$", re.M)
+NOT_CHECKED = 6   # the verdict's exit code for a run a missing input left incomplete (conformance/user/verdict.py)
+LLAMA = REAL_CONFIGS / "target" / "meta-llama--Meta-Llama-3.1-8B.json"   # Llama class: id + 1, context 131072
+# A chain within what the example draft covers: its 2048 positions (the Llama target's context is longer).
+CHAIN_ARGS = ("--speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4 "
+              "--context-length 2048")
+TREE_ARGS = "--speculative-eagle-topk 2 --speculative-num-steps 3 --speculative-num-draft-tokens 6"
+WIRING, FLAGS = "target wiring (give --target-config)", "server flags (give --sglang-args)"
 KIMI = REAL_CONFIGS / "target" / "moonshotai--Kimi-K2.5.json"     # 61 layers: SGLang's DeepSeek class
 SEED_ARGS = "--speculative-eagle-topk 1 --speculative-num-steps 1 --speculative-num-draft-tokens 16"
 TRAINED_ON = "--trained-aux-layers=embed,3,31"
 
 
-def run_pytest(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """pytest as a user runs it, from the repository root, one thread per process."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
+def run_pytest(*args: str, timeout: int = 600, module: str = "pytest", **env: str) -> subprocess.CompletedProcess:
+    """pytest (or `module`: the entry point) as a user runs it, from the repository root, one thread per process;
+    `env`: further environment variables."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    plugins = ("-p", "no:cacheprovider") if module == "pytest" else ()
+    return subprocess.run([sys.executable, "-m", module, *plugins, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -58,6 +73,9 @@ class Plant:
     named: tuple[str, ...]    # what the verdict block must name: the cause's entry and file:line, the fix
     args: tuple[str, ...] = ()           # the run's options besides --draft-checkpoint
     eagle_ids: tuple[int, ...] | None = None   # config.json's eagle_config ids, rewritten for serving
+    unchecked: tuple[str, ...] = ()      # exit 6: what the headline names as not checked, in order
+    knobs: tuple[tuple[str, object], ...] = ()   # further config overrides of the example draft
+    absent: tuple[str, ...] = ()         # what the verdict block must not say
 
 
 PLANTED = [
@@ -73,12 +91,16 @@ PLANTED = [
     Plant("fc_skip", "sglang", "fc_skip", 1, 1,
           ("sglang-fc-skipped-when-widths-coincide", "llama_eagle3.py:238", "1 * 40 == 40")),
     Plant(DROPPED_TENSOR, "sglang", DROPPED_TENSOR, 1, None,
-          ("dropped silently: fc.bias", "llama_eagle3.py:363, 373", "speculators 0.9.0 cannot load this draft")),
+          ("dropped silently: fc.bias", "llama_eagle3.py:363, 373", "speculators 0.9.0 cannot load this draft"),
+          ("--trainer=speculators",)),   # stated: only then is the trainer's refusal a problem
     Plant("speculators_format", "speculators", None, 1, 1,
           ("1. SGLang cannot read this directory as written", "Unrecognized model in draft",
            "transformers/models/auto/configuration_auto.py", "python -m conformance.user.convert draft draft-sglang")),
 ]
-CLEAN = [Plant(f"clean_{fmt}", fmt, None, 0, 0, ()) for fmt in ("sglang", "sglang-legacy", "specforge")]
+CLEAN = [Plant(f"clean_{fmt}", fmt, None, NOT_CHECKED, 0, (), unchecked=(WIRING, FLAGS))
+         for fmt in ("sglang", "sglang-legacy", "specforge")]
+CLEAN += [Plant("clean_sglang_every_input", "sglang", None, 0, 0, (),
+                (f"--target-config={LLAMA}", f"--sglang-args={CHAIN_ARGS}"))]
 SEED = [
     Plant("kimi_seed", "sglang", None, 1, 1,
           ("1. SGLang feeds the draft other target layers than it was trained on (training: [embed, 3, 31]  "
@@ -86,13 +108,26 @@ SEED = [
            "slot 1: training 3, serving 31  <- differs", "slot 2: training 31, serving 59  <- differs",
            "deepseek_v2.py:", '"eagle_aux_hidden_state_layer_ids": [0, 3, 31]'),
           (f"--target-config={KIMI}", TRAINED_ON), (3, 31, 59)),
-    Plant("kimi_rewired", "sglang", None, 0, 0, (), (f"--target-config={KIMI}", TRAINED_ON), (0, 3, 31)),
+    Plant("kimi_rewired", "sglang", None, NOT_CHECKED, 0, (), (f"--target-config={KIMI}", TRAINED_ON), (0, 3, 31),
+          unchecked=(FLAGS,)),
     Plant("seed_flags", "sglang", None, 1, 1,
           ("draft tokens silently reduced: 16 asked, 2 served", "speculative_num_draft_tokens is adjusted",
            "sglang/srt/arg_groups/speculative_hook.py:", "--speculative-num-draft-tokens"),
           (f"--sglang-args={SEED_ARGS}",)),
 ]
-CASES = PLANTED + CLEAN + SEED
+ISSUE_23 = [
+    # A tree of 3 steps: the registry's tree entry applies, a problem with its reason and a chain as the fix.
+    Plant("tree_flags", "sglang", None, 1, 1,
+          ("sglang-tree-kv-follows-row-slots", "cache_locs.py:262-268", "--speculative-eagle-topk 1"),
+          (f"--sglang-args={TREE_ARGS}",), absent=("--speculative-eagle-topk > 1",)),   # the old tree advice
+    # SGLang's format does not say who trained it: judged against the reference, speculators' refusal of
+    # target_hidden_size != hidden_size is no problem, and the trainers that could have written it are named.
+    Plant("trainer_unknown", "sglang", None, NOT_CHECKED, 0,
+          ("could have been trained by specforge 0.2.0", "not by speculators 0.9.0 (its loader refuses it: "
+           "speculators-fc-ignores-target-hidden-size)"), unchecked=(WIRING, FLAGS),
+          knobs=(("target_hidden_size", 32),), absent=("cannot load this draft",)),
+]
+CASES = PLANTED + CLEAN + SEED + ISSUE_23
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +145,7 @@ def runs(tmp_path_factory) -> dict[str, Future]:
     # of a transformers class from two threads at once can fail inside its lazy module).
     drafts = {}
     for case in CASES:
-        drafts[case.id], _, _ = write_example(root / case.id, case.fmt, plant=case.plant)
+        drafts[case.id], _, _ = write_example(root / case.id, case.fmt, plant=case.plant, knobs=dict(case.knobs))
         if case.eagle_ids is not None:
             write_eagle_ids(drafts[case.id], case.eagle_ids)
     futures = {case.id: pool.submit(run, case, drafts[case.id]) for case in CASES}
@@ -137,14 +172,19 @@ def test_the_verdict_names_the_problem(case, runs):
         f"exit {result.returncode}, expected {case.exit} ({seconds:.0f} s):\n{out[-6000:]}"
     heads = HEADLINE.findall(result.stdout)
     assert len(heads) == 1, f"expected one verdict line:\n{out[-6000:]}"
-    if case.exit == 0:
-        assert heads[0][0] == "served as trained", heads
-        return
-    count = int(heads[0][1])
-    assert count >= 1 and (case.problems is None or count == case.problems), f"{heads[0][0]}:\n{verdict_block(out)}"
     block = verdict_block(result.stdout)
     for words in case.named:
         assert words in block, f"{words!r} not in the verdict:\n{block}"
+    for words in case.absent:
+        assert words not in block, f"{words!r} in the verdict:\n{block}"
+    if case.exit == 0:
+        assert heads[0][0] == "served as trained", heads
+        return
+    if case.exit == NOT_CHECKED:
+        assert heads[0][2] == ", ".join(case.unchecked), heads
+        return
+    count = int(heads[0][1])
+    assert count >= 1 and (case.problems is None or count == case.problems), f"{heads[0][0]}:\n{verdict_block(out)}"
     for n in range(1, count + 1):   # each problem numbered, with its five parts
         item = block.split(f"\n{n}. ", 1)[1]
         assert all(f"   {part}:" in item for part in ("where", "evidence", "cause", "fix")), item
@@ -174,6 +214,20 @@ def test_bad_options_exit_4_with_one_line(option, words, tmp_path):
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert result.returncode == 4, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_a_server_that_cannot_run_is_bad_input(tmp_path):
+    """--serve-with vllm without vLLM's environment: exit 4, one line saying how to build it, both from pytest
+    (make check) and from the entry point, never a verdict on checks that were all skipped."""
+    draft, _, _ = write_example(tmp_path, "sglang")
+    missing = str(tmp_path / "no-venv-vllm")   # VLLM_VENV: where the vLLM lane looks for its environment
+    runs = {"pytest": run_pytest(f"--draft-checkpoint={draft}", "--serve-with=vllm", VLLM_VENV=missing),
+            "entry point": run_pytest("check", str(draft), "--serve-with", "vllm", "--report", str(tmp_path / "r"),
+                                      module="conformance.cli", VLLM_VENV=missing)}
+    for name, result in runs.items():
+        lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+        assert result.returncode == 4, f"{name}: exit {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr}"
+        assert len(lines) == 1 and "--serve-with vllm" in lines[0] and "make venv-vllm" in lines[0], (name, lines)
 
 
 def test_every_plant_is_checked():

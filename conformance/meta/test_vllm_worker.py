@@ -22,7 +22,7 @@ import torch
 
 from conformance.adapters import ADAPTERS
 from conformance.adapters.base import lane_of
-from conformance.adapters.vllm.adapter import WORKER
+from conformance.adapters.vllm.process import WORKER
 from conformance.core.compare import compare_traces
 from fixtures.cases import CASES_BY_ID
 

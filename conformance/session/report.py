@@ -2,7 +2,8 @@
 
 `Report.to_json()` is the one path: report.json is that data, and report.md, the chart and the
 terminal summary are rendered from it (conformance/session/report_render.py). Files are written
-atomically at session end, also when tests fail. No timestamps: identical inputs give identical reports.
+atomically at session end, also when tests fail. No timestamps and no wall-clock figures: identical inputs
+give identical reports; what a check timed goes to timings.json beside them (add_timing).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from conformance.core.sections import ACCEPT_CHART_FILE, FAIL, KNOWN, PASS, Sect
 from conformance.core.tolerances import dtype_name
 
 CHART_FILE = report_render.CHART_FILE
+TIMINGS_FILE = "timings.json"
 
 
 def _num(x):
@@ -43,16 +45,20 @@ class Report:
     verdict: dict | None = None   # the verdict on a user's draft (conformance/user/verdict.py), as data
     # What other processes of the same run found (pytest-xdist workers, merged by the controller): parts()
     absorbed: list[dict] = field(default_factory=list)
+    timings: list[dict] = field(default_factory=list)   # wall-clock figures: TIMINGS_FILE, not the report
 
     @property
     def empty(self) -> bool:
-        return not (self.entries or self.sections or self.verdict or self.absorbed)
+        return not (self.entries or self.sections or self.verdict or self.absorbed or self.timings)
 
     def add_row(self, section: Section, row: dict) -> None:
         """One row of a section: JSON-able values; a table in report.md."""
         if not isinstance(section, Section):
             raise TypeError(f"report section {section!r}: name it with conformance.core.sections.Section")
         self.sections.setdefault(section, []).append(dict(row))
+
+    def add_timing(self, row: dict) -> None:
+        self.timings.append(dict(row))
 
     def add(self, comparison: Comparison, nodeid: str, outcome: str, note: str = "") -> None:
         self.entries.append(Entry(comparison, nodeid, outcome, comparison.case_id, comparison.impl,
@@ -64,7 +70,8 @@ class Report:
     def parts(self) -> dict:
         """This process's findings as JSON data, for the process that writes the report (absorb)."""
         return _plain({"comparisons": [_comparison(e) for e in self.entries],
-                       "sections": {s.value: rows for s, rows in self.sections.items()}, "verdict": self.verdict})
+                       "sections": {s.value: rows for s, rows in self.sections.items()}, "verdict": self.verdict,
+                       "timings": self.timings})
 
     def absorb(self, parts: dict) -> None:
         self.absorbed.append(parts)
@@ -93,6 +100,10 @@ class Report:
         _atomic_write(directory / "report.md", report_render.markdown(data))
         report_render.write_chart(data, directory / CHART_FILE)
         report_render.write_accept_chart(data, directory / ACCEPT_CHART_FILE)
+        timings = sorted((t for p in [self.parts(), *self.absorbed] for t in p.get("timings", ())),
+                         key=lambda t: json.dumps(t, sort_keys=True))
+        if timings:
+            _atomic_write(directory / TIMINGS_FILE, json.dumps(timings, indent=1) + "\n")
 
 
 def _plain(data):

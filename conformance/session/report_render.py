@@ -122,6 +122,8 @@ def verdict_lines(v: dict) -> list[str]:
     c = v["checks"]
     skipped = f", {c['skipped']} skipped" if c["skipped"] else ""
     lines.append(f"  checks: {c['passed']} passed, {c['failed']} failed{skipped}")
+    if v.get("not_checked") and v.get("outcome") != "not checked":   # else the headline says it already
+        lines.append("  not checked: " + ", ".join(f"{n['what']} ({n['how']})" for n in v["not_checked"]))
     lines.append("  versions: " + ", ".join(f"{k} {val}" for k, val in v["versions"].items()))
     for p in v["problems"]:
         lines.append(f"{p['number']}. {p['what']}")

@@ -3,8 +3,10 @@
     python -m conformance.user.example_draft DIR [--format specforge|sglang|sglang-legacy|speculators]
                                                  [--plant PROBLEM] [--broken]
 
-writes DIR/draft/ (config.json, model.safetensors), DIR/train.jsonl (training samples) and
-DIR/hidden_states/ (their aux states from a tiny target, speculators' datagen layout). The specforge
+writes DIR/draft/ (config.json, model.safetensors), DIR/train.jsonl (training samples),
+DIR/hidden_states/ (their aux states from a tiny target, speculators' datagen layout) and
+DIR/target/config.json (that tiny target's config, for --target-config), and prints the options that check
+all of it, server flags included (a chain within the draft's positions). The specforge
 format is written as SpecForge exports it: midlayer names, no embed_tokens. --plant trains-in one knob
 SGLang serves differently (PLANTS); --broken (= --plant dropped_tensor) adds an fc.bias the config does
 not declare (a draft trained with a bias whose config lost it): the reference uses it, SGLang's loader
@@ -40,10 +42,11 @@ PLANTS = {
 
 
 def write_example(root: Path, fmt: str = "specforge", broken: bool = False,
-                  plant: str | None = None) -> tuple[Path, Path, Path]:
-    """(draft dir, JSONL file, hidden-state dump dir) under `root`."""
+                  plant: str | None = None, knobs: dict | None = None) -> tuple[Path, Path, Path]:
+    """(draft dir, JSONL file, hidden-state dump dir) under `root`; `knobs`: further config overrides."""
     broken = broken or plant == DROPPED_TENSOR
-    cfg = make_config(**{**EXAMPLE, **PLANTS[plant]}) if plant else EXAMPLE_CONFIG
+    cfg = make_config(**{**EXAMPLE, **(PLANTS[plant] if plant else {}), **(knobs or {})}) if plant or knobs \
+        else EXAMPLE_CONFIG
     weights = make_draft_weights(cfg, torch.Generator().manual_seed(SEED))
     if broken:
         weights["fc.bias"] = 0.5 * torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(SEED + 5))
@@ -56,6 +59,25 @@ def write_example(root: Path, fmt: str = "specforge", broken: bool = False,
     return draft, data, dump
 
 
+# Server flags the example is served with: a chain of the draft's trained steps, at a context its positions cover.
+EXAMPLE_SGLANG_ARGS = ("--speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4 "
+                       "--context-length {context}")
+
+
+def write_example_target(root: Path, fmt: str = "specforge", plant: str | None = None) -> Path:
+    """root/target/config.json: the config of the tiny target write_example's hidden states come from."""
+    import json
+
+    cfg = make_config(**{**EXAMPLE, **PLANTS[plant]}) if plant else EXAMPLE_CONFIG
+    config = TinyTarget(cfg, torch.Generator().manual_seed(SEED + 2)).model.config.to_dict()
+    config = {k: v for k, v in config.items() if v is not None and k not in ("_name_or_path", "transformers_version")}
+    config.update(architectures=["LlamaForCausalLM"], dtype="float32")
+    path = root / "target" / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -64,7 +86,10 @@ def main(argv=None) -> int:
     parser.add_argument("--broken", action="store_true")
     args = parser.parse_args(argv)
     draft, data, dump = write_example(args.out, args.format, args.broken, args.plant)
-    print(f"--draft-checkpoint {draft} --training-data {data} --hidden-states {dump}")
+    target = write_example_target(args.out, args.format, args.plant)
+    context = EXAMPLE_CONFIG.max_position_embeddings
+    print(f"--draft-checkpoint {draft} --training-data {data} --hidden-states {dump} --target-config {target} "
+          f"--sglang-args \"{EXAMPLE_SGLANG_ARGS.format(context=context)}\"")
     return 0
 
 

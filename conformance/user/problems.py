@@ -50,6 +50,12 @@ FIXES = {
     "specforge-requires-vocab-mapping":
         "store the identity vocabulary map SpecForge builds for a full vocabulary: d2t (int64 zeros, "
         "{draft_vocab_size}) and t2d (bool ones, {vocab_size})",
+    "sglang-tree-kv-follows-row-slots":
+        "draft a chain: --speculative-eagle-topk 1 --speculative-num-steps S --speculative-num-draft-tokens S+1 "
+        "(SGLang's chain draft is served as trained)",
+    "sglang-sink-size-ignored": "drop --speculative-draft-sink-size (the draft attends without sink tokens)",
+    "sglang-lm-head-from-target-without-draft-vocab":
+        "write \"draft_vocab_size\": {vocab_size} into config.json: SGLang then serves the draft's own lm_head",
     "specforge-yarn-without-beta-and-mscale":
         "write the yarn defaults into rope_scaling: beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 0",
 }

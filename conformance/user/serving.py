@@ -31,6 +31,20 @@ def served_with(config) -> list[str]:
     return servers() if choice == BOTH else [choice]
 
 
+def unavailable(choice: str) -> str | None:
+    """One line when a server --serve-with names cannot run here (its own environment not built): bad input,
+    since a verdict against a server that never ran would say nothing about it. None when all can."""
+    from conformance.adapters import ADAPTERS
+
+    named = servers() if choice == BOTH else [choice]
+    for impl in (impl for impl in named if impl in ADAPTERS):   # an unknown name is pytest's own usage error
+        missing = getattr(ADAPTERS[impl], "missing", None)
+        why = missing() if missing is not None else None
+        if why:
+            return f"--serve-with {choice}: {impl} cannot run here: {why}"
+    return None
+
+
 STAND_IN = ("no --target-config: --sglang-args resolved against a stand-in Llama target of the draft's widths, "
             "vocabulary and context (SGLang picks auto settings and the context by the target)")
 

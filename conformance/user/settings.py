@@ -9,6 +9,11 @@ Entry point (the verdict's user checks call it):
         UserSettings.problems: verdict Problems (rank SETTINGS); .requested / .effective: SGLang's values;
         .rows(): report rows. Raises CommandLineError (one line) when SGLang refuses the flags.
 
+What the registry knows about SGLang's serving on the resolved settings is part of it: every applicable
+`settings` entry (conformance/core/registry.toml) is a problem, merged into the observed one of the same
+setting when a check below saw it, and every applicable `tree` entry (a tree draft SGLang serves unlike
+training) is one, with the entry's reason and fix.
+
 SGLang's side is its own code: the parser and resolve_once (conformance/adapters/sglang/settings.py), the
 context length from its ModelConfig for the target and then for the draft with the target's context
 (what the EAGLE worker does), the draft class from its ModelRegistry. The cause of each problem is the
@@ -16,6 +21,7 @@ line of the installed SGLang that decides it, found in its source (conformance/u
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +30,9 @@ from conformance.adapters.sglang.settings import HOST_ARGS, NUMBERS, CommandLine
 # CommandLineError is re-exported: callers catch it from here.
 from conformance.checkpoints.directory import DraftCheckpoint
 from conformance.checkpoints.errors import load_json
+from conformance.core import registry
 from conformance.core.findings import SETTINGS, Problem
+from conformance.user.problems import fix_for
 from conformance.user.wiring import source_line
 
 HOOK = "sglang.srt.arg_groups.speculative_hook"
@@ -134,6 +142,8 @@ def check_user_settings(command_line: str, draft_dir: Path, target_config: Path,
     out.problems += _embedding(checkpoint)
     out.problems += _context(ctx, draft_ctx, refused, cfg.max_position_embeddings)
     out.problems += _rejection_sampling(effective, cfg)
+    out.problems += _registered(requested, effective, cfg, Path(draft_dir), out.problems)
+    out.problems += _tree(effective, cfg)
     return out
 
 
@@ -154,7 +164,7 @@ def _numbers(requested: dict, effective: dict, warnings: list[str], trained: int
                                 f"{evidence} (= num_steps {steps} + 1 with topk 1)",
                                 source_line(HOOK, "speculative_num_draft_tokens is adjusted"),
                                 f"--speculative-num-steps {chain} --speculative-num-draft-tokens {chain + 1} "
-                                f"(a chain of {chain} draft tokens), or --speculative-eagle-topk > 1 for a tree"))
+                                f"(a chain of {chain} draft tokens)"))
         else:
             out.append(_problem(k, f"{k} changed by SGLang: {asked} asked, {got} served", evidence,
                                 source_line(HOOK, "def _handle_eagle_family"), f"--{k.replace('_', '-')} {got}"))
@@ -252,3 +262,56 @@ def _rejection_sampling(effective: dict, cfg) -> list[Problem]:
                      "rejection sampling needs one vocabulary",
                      source_line(WORKER, "--speculative-use-rejection-sampling requires the draft"),
                      "drop --speculative-use-rejection-sampling")]
+
+
+# ---------------------------------------------------------------- what the registry knows
+
+def _registered(requested: dict, effective: dict, cfg, draft_dir: Path, found: list[Problem]) -> list[Problem]:
+    """The registry's `settings` entries for the installed SGLang that hold on the resolved settings and the
+    draft: the problem a check above found for the same setting gets the entry's id and reason; any other is
+    a problem of its own. The speculative numbers are SGLang's own resolution, a problem only where it changed
+    what was asked (a check above); the embedding only where the draft's differs from the target's, which its
+    config says (embed_requires_grad: a check above)."""
+    raw = load_json(draft_dir / "config.json")
+    names = {**dataclasses.asdict(cfg), **{k: effective.get(k) for k in registry.SERVER_SETTINGS},
+             "config_has_draft_vocab_size": raw.get("draft_vocab_size") is not None}
+    seen = {p.key: p for p in found}
+    out = []
+    for entry in registry.applicable("settings", "sglang", names):
+        key = f"settings:{entry.setting}"
+        if key in seen:
+            problem = seen[key]
+            if not problem.known:
+                problem.known = entry.id
+                problem.cause += f"; the registry's {entry.id}: {entry.reason}"
+            continue
+        if entry.setting in NUMBERS or entry.setting == "embed_tokens":
+            continue
+        evidence = (f"{entry.setting}: requested {_show(requested.get(entry.setting))}, effective "
+                    f"{_show(effective[entry.setting])}"
+                    if entry.setting in effective else f"the draft's config.json (as SGLang reads it): {entry.when}")
+        out.append(_registered_problem(entry, evidence, fix_for(entry, cfg)))
+    return out
+
+
+def _registered_problem(entry: registry.Known, evidence: str, fix: str, key: str = "") -> Problem:
+    return Problem(f"SGLang serves {entry.setting} otherwise than the draft was trained ({entry.id})",
+                   f"server setting: {entry.setting}", f"{evidence}; the registry's condition holds: {entry.when}",
+                   entry.reason, fix, SETTINGS, key=key or f"settings:{entry.setting}", known=entry.id, impl="sglang")
+
+
+def _tree(effective: dict, cfg) -> list[Problem]:
+    """The registry's `tree` entries that hold for the tree these settings draft (topk > 1): SGLang's tree draft
+    departs from the reference tree (shown on tiny drafts by conformance/draft/test_tree.py)."""
+    topk, steps = effective["speculative_eagle_topk"] or 1, effective["speculative_num_steps"] or 1
+    tokens = effective["speculative_num_draft_tokens"]
+    names = {**dataclasses.asdict(cfg), "topk": topk, "steps": steps, "num_draft_tokens": tokens}
+    return [Problem(f"SGLang's tree draft departs from training semantics ({entry.id})",
+                    f"server flags: topk {topk}, {steps} steps, {tokens} draft tokens; draft step {entry.step}, "
+                    f"stage `{entry.stage}`",
+                    f"the registry's entry holds for this tree ({entry.when}) on sglang "
+                    f"{registry.installed_version('sglang')}: the tree check on tiny drafts "
+                    f"(conformance/draft/test_tree.py) first diverges at draft step {entry.step}, `{entry.stage}`",
+                    entry.reason, fix_for(entry, cfg), SETTINGS, key=f"tree:{entry.id}", known=entry.id,
+                    impl="sglang")
+            for entry in registry.applicable("tree", "sglang", names)]

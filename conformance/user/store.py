@@ -33,7 +33,7 @@ from conformance.session.harness import DraftStore
 from conformance.user.plan import STEPS, plan_for
 from conformance.user.servable import served_ids, write_served_ids
 from conformance.user.serving import STAND_IN
-from conformance.user.trainer import TRAINED_OPTION, layer_names, other_trainers
+from conformance.user.trainer import TRAINED_OPTION, layer_names, other_trainers, possible_trainers
 from conformance.user.example_draft import write_example
 from conformance.user.user_draft import (FIXTURE_FORMAT, INPUTS_KEY, SEED, USER_CASE_ID, UserInputs, user_case,
                                         validate_inputs)
@@ -226,7 +226,7 @@ class UserDraftStore(DraftStore):
         self.aux()
         rows = [{"item": "draft", "value": inputs.source},
                 {"item": "format", "value": inputs.checkpoint.format},
-                {"item": "trainer", "value": inputs.trainer.describe() if inputs.trainer else "not stated"},
+                {"item": "trainer", "value": self.trainer_line() or "not stated"},
                 {"item": "knobs", "value": _knob_summary(cfg)},
                 {"item": "inputs", "value": (f"{len(self.samples)} samples of "
                                              f"{inputs.data_file.name if inputs.data_file else 'seeded random ids'}, "
@@ -237,6 +237,14 @@ class UserDraftStore(DraftStore):
                                                     f"{t['hidden_size']}, vocab {t['vocab_size']}"})
         rows += [{"item": "note", "value": n} for n in inputs.notes]
         return rows
+
+    def trainer_line(self, layers: int | None = None) -> str:
+        """Who trained the draft and what its ids mean; when nobody is named, which trainers could have."""
+        trainer = self.inputs.trainer
+        if trainer is None:
+            return ""
+        line = trainer.describe(layers)
+        return line if trainer.name is not None else f"{line}; {possible_trainers(self.inputs.config)}"
 
     def convert_args(self) -> str:
         """The converter's options that reproduce this run's conversion (the user's file names only)."""
@@ -259,7 +267,7 @@ class UserDraftStore(DraftStore):
         if self.converted and why:
             served += f"; eagle_config ids {list(ids) if ids else 'none'} ({why})"
         return {"draft": f"{inputs.source}: {_knob_summary(inputs.config)}",
-                "trainer": inputs.trainer.describe(layers) if inputs.trainer else "",
+                "trainer": self.trainer_line(layers),
                 "served_as": served,
                 "inputs": (f"{len(self.samples)} samples of "
                            f"{inputs.data_file.name if inputs.data_file else 'seeded random ids'}; aux states: "

@@ -25,6 +25,7 @@ from conformance.user.serving import served_with
 from conformance.user.servable import conversion_findings, conversion_problem, directory_problem
 from conformance.user.trainer import FORMAT_TRAINER, other_trainers
 from conformance.user.user_draft import FIXTURE_FORMAT, INPUTS_KEY
+from conformance.user.verdict import not_applicable
 from conformance.core.findings import Problem
 
 pytestmark = [pytest.mark.cpu, pytest.mark.user]
@@ -88,7 +89,7 @@ def test_user_draft_conversion_keeps_the_draft(user_draft, report, verdict, requ
     """The conversion SGLang is given instead: every tensor bit-exact, the aux ids SGLang will read, the
     norms and vocabulary SGLang builds from it."""
     if not user_draft.converted:
-        pytest.skip("SGLang reads the directory as written: there is no conversion to check")
+        not_applicable("SGLang reads the directory as written: there is no conversion to check")
     report_once(user_draft, report, verdict)
     inputs = user_draft.inputs
     served = user_draft.checkpoint(user_draft.case)["sglang"]

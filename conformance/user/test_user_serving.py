@@ -4,7 +4,8 @@ the user's server flags do to this draft (--sglang-args); then, last of the user
 is collected after test_user_draft.py), that the user's files are untouched.
 
 Each check runs on the draft as SGLang reads it (the directory as written, or this suite's conversion)
-and adds what it finds to the verdict; without its option it is skipped, and the verdict says so.
+and adds what it finds to the verdict; without its option it is skipped, and the verdict's headline names
+it and the option (conformance/user/verdict.py not_checked: exit 6, never "served as trained").
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from conformance.core.sections import Section
 from conformance.user.serving import DEFAULT_SERVER, STAND_IN, served_with, servers, user_settings, user_wiring
 from conformance.user.test_user_draft import fail, report_once
 from conformance.user.user_draft import digest
+from conformance.user.verdict import not_applicable, not_checked
 from conformance.core.findings import OTHER, SETTINGS, Problem
 
 pytestmark = [pytest.mark.cpu, pytest.mark.user]
+TARGET_WIRING = "target wiring"
 
 
 def fail_all(problems: list[Problem], verdict, nodeid: str, message: str):
@@ -32,8 +35,8 @@ def fail_all(problems: list[Problem], verdict, nodeid: str, message: str):
 def test_user_draft_target_wiring(user_draft, report, verdict, request):
     """SGLang's own resolution of the draft's config and its own capture on a tiny twin of --target-config
     (same class, same layer count), slot by slot against the layers training captured."""
-    if user_draft.inputs.target_file is None:
-        pytest.skip("no --target-config: which layers SGLang captures depends on the target's class and depth")
+    if user_draft.inputs.target_file is None:   # which layers SGLang captures depends on the target's class and depth
+        not_checked(TARGET_WIRING, "--target-config")
     report_once(user_draft, report, verdict)
     wiring = user_wiring(user_draft)
     for row in wiring.rows():
@@ -59,10 +62,10 @@ def test_user_draft_target_wiring_on_other_servers(impl, runner, user_draft, rep
     from conformance.user.wiring import check_server_wiring, server_row
 
     if impl not in served_with(request.config):
-        pytest.skip(f"--serve-with does not name {impl}")
+        not_applicable(f"--serve-with does not name {impl}")
     inputs = user_draft.inputs
-    if inputs.target_file is None:
-        pytest.skip(f"no --target-config: which layers {impl} captures depends on the target's class and depth")
+    if inputs.target_file is None:   # which layers the server captures depends on the target's class and depth
+        not_checked(TARGET_WIRING, "--target-config")
     report_once(user_draft, report, verdict)
     wiring, served = user_draft.serving(
         f"wiring:{impl}:{runner}", lambda: check_server_wiring(impl, runner, inputs.checkpoint.path,
@@ -78,8 +81,10 @@ def test_user_draft_hidden_states_fit_the_target(user_draft, report, verdict, re
     from conformance.user.wiring import check_hidden_states
 
     inputs = user_draft.inputs
-    if inputs.hidden_states is None or inputs.target_file is None:
-        pytest.skip("needs --hidden-states and --target-config")
+    if inputs.hidden_states is None:
+        not_applicable("no --hidden-states: no dump to hold against the target")
+    if inputs.target_file is None:
+        not_checked("the hidden-state dump against the target", "--target-config")
     report_once(user_draft, report, verdict)
     problems = check_hidden_states(inputs.hidden_states, inputs.target_file, user_wiring(user_draft))
     if problems:
@@ -93,7 +98,7 @@ def test_user_draft_server_flags(user_draft, report, verdict, request):
 
     inputs = user_draft.inputs
     if inputs.sglang_args is None:
-        pytest.skip("no --sglang-args")
+        not_checked("server flags", "--sglang-args")
     report_once(user_draft, report, verdict)
     if inputs.target_file is None:
         report.add_row(Section.USER_DRAFT, {"item": "note", "value": STAND_IN})

@@ -42,14 +42,19 @@ FORMAT_TRAINER = {"speculators": "speculators", "eagle": "eagle3", "specforge": 
 # ignores stored ids (hard-coded defaults); an unnamed trainer's ids are read as this suite's parser read them.
 TRAINER_ID_SHIFT = {"speculators": 0, "specforge": 1}
 # The adapter that runs each trainer's own training forward on the user's draft. A draft is judged against
-# its trainer's implementation only, not another trainer's loader; an unnamed trainer (or one without an
-# adapter: the original EAGLE-3) keeps speculators'.
+# its trainer's implementation only, not another trainer's loader; a trainer without an adapter (the original
+# EAGLE-3) keeps speculators'. A draft whose trainer is neither stated nor detected runs no trainer's
+# implementation: training semantics are the reference's, and one trainer's refusal of a file another may have
+# written says nothing about how it is served (possible_trainers says which could have written it).
 TRAINER_ADAPTER = {"speculators": "speculators", "specforge": "specforge"}
 DEFAULT_TRAINER = "speculators"
 
 
 def other_trainers(trainer: "Trainer | None", name: str | None = None) -> frozenset[str]:
-    """The training adapters that do not run on a draft trained by `trainer` (or the trainer named `name`)."""
+    """The training adapters that do not run on a draft trained by `trainer` (or the trainer named `name`):
+    every one when `trainer` names none."""
+    if trainer is not None and trainer.name is None:
+        return frozenset(TRAINER_ADAPTER.values())
     name = trainer.name if trainer is not None else name
     name = name if name in TRAINER_ADAPTER else DEFAULT_TRAINER
     return frozenset(adapter for who, adapter in TRAINER_ADAPTER.items() if who != name)
@@ -95,6 +100,26 @@ class Trainer:
         trained = f"trained on inputs of layers {list(ids)}" if ids is not None else \
             "trained on the trainer's default layers of the target (needs --target-config)"
         return f"{who} ({self.source}); {where}, read as {self.meaning}: {trained}"
+
+
+def possible_trainers(cfg) -> str:
+    """Which trainers' implementations can express this draft's configuration (their adapters' own limits and the
+    registry's load entries for the installed versions), for a draft whose trainer is not known; one line."""
+    import dataclasses
+
+    from conformance.adapters import ADAPTERS
+    from conformance.core import registry
+
+    names = {**dataclasses.asdict(cfg), **{flag: None for flag in registry.SERVER_FLAGS}}
+    can, cannot = [], []
+    for trainer, impl in TRAINER_ADAPTER.items():
+        who = f"{trainer} {registry.installed_version(impl) or '(not installed)'}"
+        refused = registry.applicable("load", impl, names)
+        why = ADAPTERS[impl]().unsupported(cfg) or (f"its loader refuses it: {refused[0].id}" if refused else "")
+        (cannot if why else can).append(f"{who} ({why})" if why else who)
+    return ("judged against training semantics (the reference), no trainer's implementation run; by what each "
+            f"trainer's implementation here can express, it could have been trained by "
+            f"{' or '.join(can) if can else 'none of them'}" + (f", not by {', '.join(cannot)}" if cannot else ""))
 
 
 def layer_names(ids) -> str:

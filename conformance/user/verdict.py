@@ -1,4 +1,13 @@
-"""One verdict on the user's draft: served as trained, or not and why, as data.
+"""One verdict on the user's draft: served as trained, not served and why, or not fully checked, as data.
+
+Three outcomes, each with its exit code (the README's, `make check`'s and `eagle3-conformance check`'s):
+    0  served as trained: every check the inputs allow ran and passed, and nothing asked for was skipped
+    1  NOT served as trained: the problems, numbered (a problem found always wins over an incomplete run)
+    4  bad input: one line naming the file and the field (pytest's usage error; also a --serve-with server
+       that cannot run here)
+    6  not checked: no problem in what ran, but a check could not run for lack of an input; the headline
+       names each one and the option that enables it (`not checked: target wiring (give --target-config)`).
+       pytest itself uses 0-5, so 6 never means anything of pytest's.
 
 Every user check that finds something adds a Problem (what, where, evidence, cause, fix) to the
 session's Verdict; the same cause seen by several checks (dtypes, step counts, the load and the
@@ -7,18 +16,26 @@ verdict is never "served as trained" while a check failed. Checks of other areas
 flags) add theirs the same way, through the `verdict` fixture.
 
 VerdictPlugin holds the pytest side: the focused run (with --draft-checkpoint, unless --with-matrix, only
-the checks marked `user` in conformance/user/ are collected and run), the exit code (1 whenever there is
-a problem), the verdict block in the terminal summary, and the "verdict" object of report.json / report.md.
+the checks marked `user` in conformance/user/ are collected and run, and of the servers only those
+--serve-with names), the exit code (the outcome's, above, unless pytest's own is already not 0), the
+verdict block in the terminal summary, and the "verdict" object of report.json / report.md.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from conformance.core.findings import FORWARD, LOADING, OTHER, Problem
 
-SERVED, NOT_SERVED = "served as trained", "NOT served as trained"
+SERVED, NOT_SERVED, NOT_CHECKED = "served as trained", "NOT served as trained", "not checked"
+EXIT_SERVED, EXIT_NOT_SERVED, EXIT_BAD_INPUT, EXIT_NOT_CHECKED = 0, 1, 4, 6
+# A user check skipped for lack of an input says so in these words (not_checked); one skipped because there is
+# nothing to check says NOT_APPLICABLE (not_applicable). Any other skip of a user check leaves the run
+# incomplete too: the verdict never counts a check that did not run as passed.
+_NOT_CHECKED = re.compile(r"^not checked: (?P<area>.+) \(give (?P<option>--[\w-]+)\)$")
+NOT_APPLICABLE = "not applicable: "
 USER_MARK = "user"
 USER_DIR = Path(__file__).resolve().parent   # the focused run collects only test files here
 
@@ -29,6 +46,7 @@ class Verdict:
         self.failed: dict[str, str] = {}      # failed user check -> its first line
         self.outcomes: dict[str, str] = {}    # user check -> passed | failed | skipped
         self.context: dict[str, str] = {}     # what was judged: draft, format, trainer, served as
+        self.unchecked: dict[str, str] = {}   # what did not run -> how to make it run (or why it did not)
 
     def add(self, problem: Problem, nodeid: str = "") -> Problem:
         """Record a problem (merged into an earlier one with the same key); returns the one kept."""
@@ -62,19 +80,61 @@ class Verdict:
     def ordered(self) -> list[Problem]:
         return sorted(self.problems.values(), key=lambda p: p.rank)   # stable: insertion order within a rank
 
+    def skipped(self, nodeid: str, reason: str) -> None:
+        """A user check that did not run: fine when there was nothing to check; else what was not checked."""
+        if reason.startswith(NOT_APPLICABLE):
+            return
+        m = _NOT_CHECKED.match(reason)
+        if m:
+            self.unchecked.setdefault(m["area"], f"give {m['option']}")
+        else:   # a skip no check explained: that check, in its own words
+            self.unchecked.setdefault(nodeid.rsplit("::", 1)[-1], reason)
+
+    @property
+    def found_problems(self) -> bool:
+        return bool(self.problems or self.failed)
+
     @property
     def served(self) -> bool:
-        return not self.problems and not self.failed
+        return not self.found_problems and not self.unchecked
+
+    @property
+    def outcome(self) -> str:
+        return NOT_SERVED if self.found_problems else NOT_CHECKED if self.unchecked else SERVED
+
+    @property
+    def exit_code(self) -> int:
+        return {SERVED: EXIT_SERVED, NOT_SERVED: EXIT_NOT_SERVED, NOT_CHECKED: EXIT_NOT_CHECKED}[self.outcome]
+
+    def not_checked_line(self) -> str:
+        return ", ".join(f"{area} ({how})" for area, how in self.unchecked.items())
 
     def headline(self) -> str:
-        n = len(self.problems)
-        return SERVED if self.served else f"{NOT_SERVED}: {n} problem{'s' if n != 1 else ''}"
+        if self.outcome == NOT_SERVED:
+            n = len(self.problems) or len(self.failed)
+            return f"{NOT_SERVED}: {n} problem{'s' if n != 1 else ''}"
+        if self.outcome == NOT_CHECKED:
+            return f"{NOT_CHECKED}: {self.not_checked_line()}; what ran is {SERVED}"
+        return SERVED
 
     def to_json(self, versions: dict[str, str]) -> dict:
         checks = {o: sum(v == o for v in self.outcomes.values()) for o in ("passed", "failed", "skipped")}
-        return {"served_as_trained": self.served, "headline": self.headline(), **self.context,
-                "checks": checks, "versions": versions,
-                "problems": [p.to_json(n) for n, p in enumerate(self.ordered(), 1)]}
+        return {"served_as_trained": self.served, "outcome": self.outcome, "exit_code": self.exit_code,
+                "headline": self.headline(), **self.context, "checks": checks,
+                "not_checked": [{"what": area, "how": how} for area, how in self.unchecked.items()],
+                "versions": versions, "problems": [p.to_json(n) for n, p in enumerate(self.ordered(), 1)]}
+
+
+def not_checked(area: str, option: str):
+    """Skip a user check that needs an input the user did not give: the verdict names it and the option."""
+    __tracebackhide__ = True
+    pytest.skip(f"not checked: {area} (give {option})")
+
+
+def not_applicable(why: str):
+    """Skip a user check that has nothing to check on these inputs (no conversion, no dump): not a gap."""
+    __tracebackhide__ = True
+    pytest.skip(NOT_APPLICABLE + why)
 
 
 # ---------------------------------------------------------------- pytest side
@@ -104,8 +164,17 @@ class VerdictPlugin:
     def pytest_collection_modifyitems(self, config, items):
         if not focused(config):
             return
-        keep = [item for item in items if item.get_closest_marker(USER_MARK)]
-        dropped = [item for item in items if not item.get_closest_marker(USER_MARK)]
+        from conformance.user.serving import served_with, servers
+
+        # A server --serve-with does not name is not asked for: not run, and not a gap in the verdict either.
+        unasked = set(servers()) - set(served_with(config))
+
+        def wanted(item) -> bool:
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            return bool(item.get_closest_marker(USER_MARK)) and params.get("impl") not in unasked
+
+        keep = [item for item in items if wanted(item)]
+        dropped = [item for item in items if not wanted(item)]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = keep
@@ -117,6 +186,8 @@ class VerdictPlugin:
             self.verdict.failed.setdefault(report.nodeid, _first_line(report.longreprtext))
         if report.when == "call" or not report.passed:   # a check's outcome: its call, or what stopped it
             self.verdict.outcomes[report.nodeid] = "failed" if report.failed else report.outcome
+        if report.skipped:
+            self.verdict.skipped(report.nodeid, _skip_reason(report))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session, exitstatus):
@@ -126,8 +197,10 @@ class VerdictPlugin:
 
         self.verdict.finish()
         self.report.verdict = self.verdict.to_json(versions())
-        if not self.verdict.served and session.exitstatus == 0:
-            session.exitstatus = 1   # a problem no check raised as a failure still fails the run
+        if session.exitstatus == 0:
+            # A problem no check raised as a failure still fails the run; a check that did not run keeps it
+            # from passing (an interrupted or broken run keeps pytest's own code).
+            session.exitstatus = self.verdict.exit_code
 
     @pytest.hookimpl(trylast=True)   # after the stage tables: the last thing before pytest's own summary
     def pytest_terminal_summary(self, terminalreporter):
@@ -136,10 +209,16 @@ class VerdictPlugin:
         data = getattr(self.report, "verdict", None)
         if not data:
             return
-        terminalreporter.section("eagle3 conformance: your draft", bold=True,
-                                 red=not data["served_as_trained"], green=data["served_as_trained"])
+        terminalreporter.section("eagle3 conformance: your draft", bold=True, red=data["outcome"] == NOT_SERVED,
+                                 yellow=data["outcome"] == NOT_CHECKED, green=data["served_as_trained"])
         for line in verdict_lines(data):
             terminalreporter.write_line(line)
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ")
 
 
 def _first_line(text: str) -> str:
