@@ -30,7 +30,7 @@ from conformance.adapters.sglang.settings import HOST_ARGS, NUMBERS, CommandLine
 # CommandLineError is re-exported: callers catch it from here.
 from conformance.checkpoints.directory import DraftCheckpoint
 from conformance.checkpoints.errors import load_json
-from conformance.core import registry
+from conformance.core import areas, registry
 from conformance.core.findings import SETTINGS, Problem
 from conformance.user.problems import fix_for
 from conformance.user.wiring import source_line
@@ -273,7 +273,7 @@ def _registered(requested: dict, effective: dict, cfg, draft_dir: Path, found: l
     what was asked (a check above); the embedding only where the draft's differs from the target's, which its
     config says (embed_requires_grad: a check above)."""
     raw = load_json(draft_dir / "config.json")
-    names = {**dataclasses.asdict(cfg), **{k: effective.get(k) for k in registry.SERVER_SETTINGS},
+    names = {**dataclasses.asdict(cfg), **{k: effective.get(k) for k in areas.SERVER_SETTINGS},
              "config_has_draft_vocab_size": raw.get("draft_vocab_size") is not None}
     seen = {p.key: p for p in found}
     out = []

@@ -109,8 +109,9 @@ def possible_trainers(cfg) -> str:
 
     from conformance.adapters import ADAPTERS
     from conformance.core import registry
+    from conformance.core.areas import SERVER_FLAGS
 
-    names = {**dataclasses.asdict(cfg), **{flag: None for flag in registry.SERVER_FLAGS}}
+    names = {**dataclasses.asdict(cfg), **{flag: None for flag in SERVER_FLAGS}}
     can, cannot = [], []
     for trainer, impl in TRAINER_ADAPTER.items():
         who = f"{trainer} {registry.installed_version(impl) or '(not installed)'}"
