@@ -9,10 +9,13 @@ PYTEST := $(PY) -m pytest
 
 # sglang's and speculators' declared dependency trees are CUDA-only (flashinfer, sgl-kernel, ...),
 # so everything is installed from one fully pinned lock file with --no-deps: exactly these versions,
-# nothing resolved at install time, the torch pin never swapped by another package.
-$(VENV)/.installed: requirements.lock
+# nothing resolved at install time, the torch pin never swapped by another package. Then this project
+# itself, editable and --no-deps: its pytest plugin's entry point (pyproject.toml), so that
+# `pytest --draft-checkpoint DIR` finds the plugin from any directory.
+$(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements.lock
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 
 venv: $(VENV)/.installed

@@ -1,12 +1,16 @@
 """pytest wiring: options, the GPU gate, session fixtures, the repro line and the report.
 
-A plugin module rather than the root conftest.py, so that the installed package carries it: the root
-conftest.py loads it in the repository, `eagle3-conformance` (conformance/cli.py) with `-p` elsewhere."""
+A plugin module rather than the root conftest.py, so that the installed package carries it: pytest loads it
+by its `pytest11` entry point (pyproject.toml) wherever the package is installed, the root conftest.py in a
+repository that is not, `eagle3-conformance` (conformance/cli.py) with `-p`. All three name it by its module
+name, `conformance.plugin`: pytest registers a module once per name, and refuses the same module a second time
+under another name. Its pytest-xdist hooks are in conformance/plugin_xdist.py, registered only with xdist."""
 from __future__ import annotations
 
 import json
 import os
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,16 +89,37 @@ def pytest_report_header(config):
     return "versions under test: " + ", ".join(f"{k} {v}" for k, v in versions().items())
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`pytest --draft-checkpoint DIR` outside the suite's configuration (from any directory, the plugin loaded by
+    its `pytest11` entry point, no test paths given): pytest would collect that directory and find no check.
+    The run is then the one `eagle3-conformance check` makes: the same arguments, on the package's checks with
+    its configuration (conformance/cli.py suite_args)."""
+    if not outside_the_suite(config):
+        return None
+    from conformance.cli import suite_args
+
+    args = suite_args()
+    if any(plugin is sys.modules[__name__] for plugin, _ in config.pluginmanager.list_plugin_distinfo()):
+        # Loaded by its entry point, which loads it in that run too: without the cli's `-p conformance.plugin`,
+        # which would import it by name (pytest warns that it cannot rewrite a module already imported).
+        at = args.index("-p")
+        args = args[:at] + args[at + 2:]
+    return int(pytest.main([*config.invocation_params.args, *args]))
+
+
+def outside_the_suite(config) -> bool:
+    """A --draft-checkpoint run without test paths whose configuration is not the suite's pytest.ini (another
+    directory's, or none) or that started below the suite's root (pytest would collect only that folder)."""
+    from conformance.cli import INI
+
+    if not config.getoption("--draft-checkpoint") or config.option.file_or_dir or hasattr(config, "workerinput"):
+        return False
+    ours = config.inipath is not None and config.inipath.resolve() == INI.resolve()
+    return not ours or config.invocation_params.dir != config.rootpath
+
+
 @pytest.hookimpl(tryfirst=True)   # before -m deselects: the lane markers decide it
-@pytest.hookimpl(optionalhook=True)   # a pytest-xdist hook: --dist loadfile keeps the engine lane's files together
-def pytest_xdist_make_scheduler(config, log):
-    if config.getoption("dist") == "loadfile":
-        from conformance.session.parallel import FileGroupScheduling
-
-        return FileGroupScheduling(config, log)
-    return None
-
-
 def pytest_collection_modifyitems(config, items):
     """The one place that decides skips: gpu tests need CUDA; an implementation's own lane needs its environment."""
     own_lanes(config, items)
@@ -180,13 +205,6 @@ def pytest_sessionfinish(session, exitstatus):
         _REPORT.write(Path(directory))
 
 
-@pytest.hookimpl(optionalhook=True)   # a pytest-xdist hook: the controller receives each worker's findings
-def pytest_testnodedown(node, error):
-    parts = getattr(node, "workeroutput", {}).get(REPORT_PARTS)
-    if parts:
-        _REPORT.absorb(json.loads(parts))
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _REPORT.empty or not (config.getoption("--stage-table") or config.getoption("--report")):
         return
@@ -218,6 +236,10 @@ def pytest_configure(config):
 
     config.addinivalue_line("markers", f"{USER_MARK}: a check on the user's own inputs "
                                        "(--draft-checkpoint runs only these)")
+    if config.pluginmanager.hasplugin("xdist"):   # a development tool, not one of the suite's needs
+        from conformance.plugin_xdist import XdistHooks
+
+        config.pluginmanager.register(XdistHooks(_REPORT, REPORT_PARTS), "conformance.plugin_xdist")
     if config.getoption("--draft-checkpoint") and (why := unavailable(config.getoption("--serve-with"))):
         raise pytest.UsageError(why)   # bad input: exit 4, one line, how to build it
     configure_user_inputs(config)

@@ -19,6 +19,9 @@ from conformance.core.common import first_line
 from reference.eagle3 import Eagle3Config
 
 TINY_TARGET_MAX = 2_000_000   # vocab * target width up to which the tiny target generates aux states
+# What a dump's tensors may hold: the floats a target computes in, and integer token ids.
+DUMP_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+DUMP_IDS = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -96,6 +99,12 @@ def read_dump(directory: Path, samples: list[Sample], cfg: Eagle3Config) -> list
         except SafetensorError as exc:
             raise CheckpointError(path, "file", f"not a readable safetensors file ({first_line(exc)})") from None
         L = len(sample.input_ids)
+        if hs.dtype not in DUMP_FLOATS:
+            raise CheckpointError(path, "tensor hidden_states", f"dtype {str(hs.dtype).removeprefix('torch.')}, "
+                                                                "expected a float dtype (fp32, bf16, fp16)")
+        if tokens.dtype not in DUMP_IDS or tokens.dim() != 1:
+            raise CheckpointError(path, "tensor token_ids", f"{str(tokens.dtype).removeprefix('torch.')} of shape "
+                                                            f"{tuple(tokens.shape)}, expected integer ids [seq_len]")
         if tuple(hs.shape) != (L, A + 1, Ht):
             raise CheckpointError(path, "tensor hidden_states", f"shape {tuple(hs.shape)}, expected ({L}, {A + 1}, "
                                                                 f"{Ht}): "

@@ -20,6 +20,9 @@ FOREIGN_KNOBS = ("embedding_multiplier", "residual_multiplier", "attention_multi
 # SGLang reads partial_rotary_factor as a config attribute only (llama.py:199-200); transformers keeps
 # it inside rope_parameters, where speculators' rotary embedding reads it (modeling_rope_utils.py).
 SGLANG_PARTIAL_ROTARY = "sglang/srt/models/llama.py:199-200"
+# The longest context a config may state: above any model's (Llama 4 Scout states 10,485,760), and SGLang's
+# rotary embedding allocates its cos/sin cache for every position up to it.
+MAX_POSITIONS = 2 ** 24
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,13 @@ def rope(theta: float, scaling: dict | None, f: Fields, where: str, problems: li
     scaling = dict(scaling)
     if "type" in scaling and "rope_type" not in scaling:   # legacy key (e.g. qwen2.5-vl's mrope)
         scaling["rope_type"] = scaling.pop("type")
-    theta = scaling.pop("rope_theta", theta)
-    partial = Fields(scaling, f.file, f"{where}.").number("partial_rotary_factor", 0) or None
+    block = Fields(scaling, f.file, f"{where}.")
+    theta_field = f"field {where}.rope_theta" if "rope_theta" in scaling else f"field {f.prefix}rope_theta"
+    theta = block.number("rope_theta", theta)
+    scaling.pop("rope_theta", None)
+    partial = block.number("partial_rotary_factor", 0) or None
     scaling.pop("partial_rotary_factor", None)
-    kind = scaling.get("rope_type", "default")
+    kind = block.string("rope_type", "default")
     if kind == "default" and "mrope_section" not in scaling:
         return theta, None, partial
     if "mrope_section" in scaling:
@@ -64,7 +70,19 @@ def rope(theta: float, scaling: dict | None, f: Fields, where: str, problems: li
     required = {"linear": ("factor",), "yarn": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[kind]
     for key in required:
-        Fields(scaling, f.file, f"{where}.").number(key)
+        block.number(key)
+    # Every other key the reference's RoPE reads (reference/eagle3.py rope_inv_freq), typed as it reads them.
+    old_context = block.optional_number("original_max_position_embeddings")
+    if old_context is not None and old_context > MAX_POSITIONS:
+        problems.append((f"field {where}.original_max_position_embeddings",
+                         f"{old_context} is absurdly large (at most {MAX_POSITIONS})"))
+    for key in ("attention_factor", "beta_fast", "beta_slow"):
+        block.optional_number(key)
+    for key in ("mscale", "mscale_all_dim"):
+        block.optional_number(key, zero=True)
+    block.bool("truncate", True)
+    if kind == "yarn" and theta == 1:   # its correction range divides by log(rope_theta)
+        problems.append((theta_field, "1 with yarn RoPE: its correction range divides by log(rope_theta)"))
     return theta, scaling, partial
 
 
@@ -83,7 +101,7 @@ def layer_knobs(f: Fields, problems: list, notes: list) -> dict:
                                             problems)
     # transformers: the value inside the RoPE block wins, the top-level key is the fallback.
     partial = partial or f.number("partial_rotary_factor", 1.0)
-    layer_types = f.raw.get("layer_types") or []
+    layer_types = f.strings("layer_types") or []
     sliding = "sliding_attention" in layer_types or (not layer_types and f.bool("use_sliding_window"))
     window = f.int("sliding_window", None, minimum=0) if sliding and f.has("sliding_window") else None
     if f.has("sliding_window") and window is None:
@@ -93,7 +111,7 @@ def layer_knobs(f: Fields, problems: list, notes: list) -> dict:
         if key in f.raw:
             problems.append((f"field {f.prefix}{key}", f"{f.raw[key]} changes the forward pass and is not "
                                                        "implemented by the reference or SGLang's Llama draft"))
-    model_type = f.raw.get("model_type", "llama")
+    model_type = f.string("model_type", "llama")
     arch = model_type if model_type in DRAFT_ARCHS else "llama"
     if model_type not in DRAFT_ARCHS:
         notes.append(f"{f.prefix}model_type {model_type!r} on a Llama EAGLE-3 draft")
@@ -112,10 +130,10 @@ def layer_knobs(f: Fields, problems: list, notes: list) -> dict:
         rms_norm_eps=f.number("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=f.int("max_position_embeddings", 2048),
+        max_position_embeddings=f.int("max_position_embeddings", 2048, maximum=MAX_POSITIONS),
         attention_bias=f.bool("attention_bias"),
         mlp_bias=mlp_bias,
-        hidden_act=f.raw.get("hidden_act", "silu"),
+        hidden_act=f.string("hidden_act", "silu"),
         sliding_window=window,
         draft_arch=arch,
         partial_rotary_factor=partial,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from conformance.checkpoints.errors import CheckpointError
+from conformance.checkpoints.errors import CheckpointError, parse_json, short
 from reference.eagle3 import DraftBatch, Eagle3Config
 
 REQUIRED = ("input_ids", "loss_mask", "seq_len", "n_prompt_tokens", "n_response_tokens", "source")
@@ -48,10 +48,7 @@ def load_samples(path: Path, vocab_size: int | None = None) -> list[Sample]:
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise _err(path, n, "", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        row = parse_json(line, path, line=n)
         if not isinstance(row, dict):
             raise _err(path, n, "", f"expected a JSON object, got {type(row).__name__}")
         missing = [k for k in REQUIRED if k not in row]
@@ -64,20 +61,15 @@ def load_samples(path: Path, vocab_size: int | None = None) -> list[Sample]:
 def _int_list(path, n, row, key) -> list[int]:
     value = row[key]
     if not isinstance(value, list) or not all(isinstance(v, int) for v in value):   # bools are ints: a 0/1 mask
-        raise _err(path, n, key, f"expected a list of integers, got {_short(value)}")
+        raise _err(path, n, key, f"expected a list of integers, got {short(value)}")
     return [int(v) for v in value]
 
 
 def _count(path, n, row, key) -> int:
     value = row[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _err(path, n, key, f"expected a non-negative integer, got {_short(value)}")
+        raise _err(path, n, key, f"expected a non-negative integer, got {short(value)}")
     return value
-
-
-def _short(value) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _sample(path: Path, n: int, row: dict, vocab_size: int | None) -> Sample:
@@ -87,7 +79,7 @@ def _sample(path: Path, n: int, row: dict, vocab_size: int | None) -> Sample:
         raise _err(path, n, "loss_mask", f"expected only 0 and 1, got {next(v for v in mask if v not in (0, 1))}")
     seq_len, p, r = (_count(path, n, row, k) for k in ("seq_len", "n_prompt_tokens", "n_response_tokens"))
     if not isinstance(row["source"], str):
-        raise _err(path, n, "source", f"expected a string, got {_short(row['source'])}")
+        raise _err(path, n, "source", f"expected a string, got {short(row['source'])}")
     if len(ids) != seq_len:
         raise _err(path, n, "seq_len", f"{seq_len}, but input_ids has {len(ids)} tokens")
     if len(mask) != seq_len:

@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from conformance.checkpoints.errors import CheckpointError, load_json
+from conformance.checkpoints.errors import CheckpointError, load_json, short
 from conformance.checkpoints.schema import to_canonical
 from conformance.core.common import first_line
 
@@ -48,6 +48,11 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
         weight_map = load_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(index, "field weight_map", "missing or empty")
+        for tensor, name in weight_map.items():
+            # A shard is a file of this directory, named as transformers' sharding names it.
+            if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+                raise CheckpointError(index, f"field weight_map.{tensor}",
+                                      f"expected the file name of a shard in {ckpt_dir.name}, got {short(name)}")
         files = [ckpt_dir / name for name in dict.fromkeys(weight_map.values())]
         for path in files:
             if not path.is_file():

@@ -8,6 +8,7 @@ input. The user's files are only ever read (conformance/user/store.py runs the c
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from conformance.checkpoints.schema import expected_tensors, needed_by, undeclar
 from conformance.checkpoints.targets import read_target_config
 from conformance.checkpoints.training_data import Sample, first_samples, load_samples
 from conformance.checkpoints.weights import INDEX_FILE, read_tensor
+from conformance.core.common import first_line
 from conformance.core.tolerances import dtype_name
 from conformance.user.example_draft import EXAMPLE_CONFIG
 from conformance.user.trainer import TRAINED_OPTION, OptionError, Trainer, parse_trained_layers, resolve_trainer
@@ -59,8 +61,16 @@ def validate_checkpoint(path: Path) -> tuple[DraftCheckpoint, list[str]]:
     ckpt = open_checkpoint(Path(path))
     cfg = ckpt.config                     # unsupported or contradictory knobs raise here
     notes = list(ckpt.parsed.notes)
-    expected, optional = expected_tensors(cfg), undeclared_tensors(cfg)
     weights_file = next(iter(ckpt.tensors.values())).file if ckpt.tensors else Path(path)
+    # The schema lists every layer's tensors: a layer count far above the stored layers (2**31) is refused
+    # at its first missing layer, before the schema is built.
+    stored = {n.split(".")[1] for n in ckpt.tensors if n.startswith("layers.")}
+    missing = next(i for i in range(cfg.num_hidden_layers + 1) if str(i) not in stored)
+    if missing < cfg.num_hidden_layers - 1:
+        name = from_canonical(f"layers.{missing}.input_layernorm.weight", ckpt.format)
+        raise CheckpointError(weights_file, f"tensor {name}",
+                              f"missing (needed because num_hidden_layers is {cfg.num_hidden_layers})")
+    expected, optional = expected_tensors(cfg), undeclared_tensors(cfg)
     for name in expected:
         if name in ckpt.tensors:
             continue
@@ -123,32 +133,55 @@ def input_files(*paths: Path | None) -> list[Path]:
     return out
 
 
+# What an exception of the validation itself (not a CheckpointError: a bug of this suite) says, after the file.
+UNEXPECTED = "could not be validated (an error in this suite's validation, please report it"
+
+
+@contextmanager
+def validating(path: Path | str | None):
+    """An exception that validating `path` raises besides a CheckpointError or an OptionError is a bug of
+    this suite; it is still one line naming the file, never a traceback (raised from pytest_configure,
+    pytest prints INTERNALERROR and exits 3)."""
+    try:
+        yield
+    except (CheckpointError, OptionError):
+        raise
+    except Exception as exc:
+        raise CheckpointError(path, "file", f"{UNEXPECTED}: {type(exc).__name__}: {first_line(exc)})") from exc
+
+
 def validate_inputs(checkpoint: Path, data: Path | None = None, hidden_states: Path | None = None,
                     target: Path | None = None, source: str | None = None, trainer: str = "auto",
                     trained_layers: str | None = None, sglang_args: str | None = None) -> UserInputs:
     """Every user input, validated; the first problem raises a one-line CheckpointError (OptionError for
-    an option's value)."""
-    ckpt, notes = validate_checkpoint(Path(checkpoint))
-    cfg = ckpt.config
-    target_cfg = read_target_config(Path(target)) if target is not None else None
-    if target_cfg is not None and not target_cfg["architectures"]:
-        raise CheckpointError(target, "field architectures", "missing or empty: SGLang picks the target's class by it")
-    stated = None if trained_layers is None else parse_trained_layers(
-        trained_layers, cfg.num_aux_hidden_states, str(ckpt.path / CONFIG_FILE),
-        target_cfg["num_hidden_layers"] if target_cfg else None, str(target))
-    if sglang_args is not None:
-        check_command_line(sglang_args)
-    inputs = UserInputs(ckpt, cfg, source or f"--draft-checkpoint {Path(checkpoint).name} ({ckpt.format} format)",
-                        trainer=resolve_trainer(ckpt, trainer, stated), notes=notes, sglang_args=sglang_args)
+    an option's value), whatever goes wrong (`validating`)."""
+    with validating(checkpoint):
+        ckpt, notes = validate_checkpoint(Path(checkpoint))
+        cfg = ckpt.config
+    with validating(target):
+        target_cfg = read_target_config(Path(target)) if target is not None else None
+        if target_cfg is not None and not target_cfg["architectures"]:
+            raise CheckpointError(target, "field architectures",
+                                  "missing or empty: SGLang picks the target's class by it")
+    with validating(ckpt.path / CONFIG_FILE):
+        stated = None if trained_layers is None else parse_trained_layers(
+            trained_layers, cfg.num_aux_hidden_states, str(ckpt.path / CONFIG_FILE),
+            target_cfg["num_hidden_layers"] if target_cfg else None, str(target))
+        if sglang_args is not None:
+            check_command_line(sglang_args)
+        inputs = UserInputs(ckpt, cfg, source or f"--draft-checkpoint {Path(checkpoint).name} ({ckpt.format} format)",
+                            trainer=resolve_trainer(ckpt, trainer, stated), notes=notes, sglang_args=sglang_args)
     if data is not None:
-        inputs.data_file = Path(data)
-        inputs.samples = load_samples(Path(data), cfg.vocab_size)
+        with validating(data):
+            inputs.data_file = Path(data)
+            inputs.samples = load_samples(Path(data), cfg.vocab_size)
     if hidden_states is not None:
         if inputs.samples is None:
             raise CheckpointError(hidden_states, "option --hidden-states",
                                   "needs --training-data (the dump's token ids)")
-        inputs.hidden_states = Path(hidden_states)
-        read_dump(Path(hidden_states), inputs.samples[:len(first_samples(inputs.samples))], cfg)
+        with validating(hidden_states):
+            inputs.hidden_states = Path(hidden_states)
+            read_dump(Path(hidden_states), inputs.samples[:len(first_samples(inputs.samples))], cfg)
     if target is not None:
         inputs.target, inputs.target_file = target_cfg, Path(target)
     # The files this run reads (not whatever else lives in the user's directories).
@@ -156,7 +189,9 @@ def validate_inputs(checkpoint: Path, data: Path | None = None, hidden_states: P
     read += [ckpt.path / INDEX_FILE] if (ckpt.path / INDEX_FILE).is_file() else []
     if inputs.hidden_states is not None:
         read += [inputs.hidden_states / f"hs_{i}.safetensors" for i in range(len(first_samples(inputs.samples)))]
-    inputs.digests = {str(p): digest(p) for p in read + input_files(data, target)}
+    for p in read + input_files(data, target):
+        with validating(p):
+            inputs.digests[str(p)] = digest(p)
     return inputs
 
 
@@ -207,7 +242,8 @@ def configure_user_inputs(config) -> None:
         raise pytest.UsageError(f"{option} needs --draft-checkpoint (it describes that draft's inputs)")
     try:
         if target:
-            config.stash[TARGET_KEY] = read_target_config(Path(target))
+            with validating(target):
+                config.stash[TARGET_KEY] = read_target_config(Path(target))
         if ckpt:
             inputs = validate_inputs(Path(ckpt), Path(data) if data else None, Path(hidden) if hidden else None,
                                      Path(target) if target else None, trainer=config.getoption("--trainer") or "auto",

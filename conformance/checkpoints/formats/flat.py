@@ -37,7 +37,8 @@ def parse_flat(raw: dict, file: Path, fmt: str, norm_output: NormOutput = plain_
         Vd = V
         notes.append("no draft_vocab_size: SGLang loads lm_head from the target (llama_eagle3.py:306-308)")
     eagle = f.sub("eagle_config")
-    ids = eagle.ids("eagle_aux_hidden_state_layer_ids") if eagle else None
+    # SGLang's convention: output of layer i, so -1 is the embeddings (training id 0).
+    ids = eagle.ids("eagle_aux_hidden_state_layer_ids", minimum=-1) if eagle else None
     top_ids = f.ids("eagle_aux_hidden_state_layer_ids")
     if ids is not None:
         ids = [i + 1 for i in ids]          # SGLang: output of layer i -> training: input of layer i + 1
