@@ -20,6 +20,7 @@ from fixtures.targets import (
 )
 from fixtures.tiny import make_config
 
+from conformance.core.common import remembered
 from conformance.wiring.cases import CAPTURE_FAILED, DTYPE, N, REFUSED, WiringCase, boundary_name, draft_config_json
 from conformance.wiring.comparison import WiringComparison, compare_capture, describe_read
 
@@ -95,15 +96,7 @@ class WiringStore:
     def forward(self, run: TargetRun, use_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """SGLang's (aux, logits) for the target as currently configured; raises CaptureFailed."""
         key = (run.spec.id, use_aux, tuple(run.sglang.layers_to_capture))
-        if key not in self._forwards:
-            try:
-                self._forwards[key] = run.sglang.run(run.input_ids)
-            except CaptureFailed as exc:
-                self._forwards[key] = exc
-        result = self._forwards[key]
-        if isinstance(result, CaptureFailed):
-            raise result
-        return result
+        return remembered(self._forwards, key, lambda: run.sglang.run(run.input_ids), CaptureFailed)
 
     def capture_ids_only(self, spec: TargetSpec, case: WiringCase, fmt: str) -> WiringComparison:
         """For a class whose forward cannot run here: SGLang's ids and the class's own
