@@ -22,7 +22,7 @@ from typing import NoReturn, Protocol
 
 from packaging.specifiers import SpecifierSet
 
-from conformance.core.areas import ACCOUNTING_PROBLEMS, AREAS, KNOBS, SERVER_FLAGS, WIRING_KINDS  # noqa: F401
+from conformance.core.areas import AREAS, KNOBS, SERVER_FLAGS
 from reference.eagle3 import Eagle3Config
 
 REGISTRY_FILE = Path(__file__).with_name("registry.toml")

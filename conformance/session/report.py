@@ -16,7 +16,7 @@ from pathlib import Path
 from conformance.adapters import ADAPTERS, versions
 from conformance.session import report_render
 from conformance.core.compare import Comparison
-from conformance.core.sections import ACCEPT_CHART_FILE, FAIL, KNOWN, PASS, Section  # noqa: F401  (tests import them from here)
+from conformance.core.sections import ACCEPT_CHART_FILE, FAIL, KNOWN, Section
 from conformance.core.tolerances import dtype_name
 
 CHART_FILE = report_render.CHART_FILE

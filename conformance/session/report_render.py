@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from conformance.core.compare import ABSENT, DIVERGED, MISSING
-from conformance.core.sections import ACCEPT_CHART_FILE, ACCEPT_COLUMNS, ACCEPT_SECTION, FAIL, KNOWN, PASS  # noqa: F401
+from conformance.core.sections import ACCEPT_CHART_FILE, ACCEPT_COLUMNS, ACCEPT_SECTION, FAIL, KNOWN, PASS
 from conformance.core.stages import stage_kind, stage_names
 
 CHART_FILE = "stage_error.png"

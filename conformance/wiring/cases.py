@@ -8,7 +8,9 @@ from typing import Callable
 
 import torch
 
-from conformance.core.registry import WIRING_KINDS, Known, applicable
+from conformance.core.registry import Known, applicable
+
+from conformance.core.areas import WIRING_KINDS
 from conformance.core.common import by_id
 from fixtures.checkpoint import sglang_config_json, speculators_config_json
 from fixtures.targets import (
