@@ -78,7 +78,7 @@ def write_bases(root: Path) -> list[Base]:
                                                    cfg.target_hidden_size, generator=g) for s in samples])
     (first / TARGET).write_text(json.dumps(TARGET_CONFIG))
     dirs = {"sglang": first}
-    for fmt in [f for f in WRITABLE if f != "sglang"] + ["eagle", "sharded"]:
+    for fmt in [other_fmt for other_fmt in WRITABLE if other_fmt != "sglang"] + ["eagle", "sharded"]:
         out = root / fmt
         shutil.copytree(first, out, ignore=shutil.ignore_patterns("draft"))
         if fmt == "eagle":   # SpecForge's names and config, as the original trainer's LlamaForCausalLM
