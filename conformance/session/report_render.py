@@ -337,8 +337,9 @@ def write_chart(data: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
     plan = chart_plan(data)
-    header = [] if not plan.marks else [f"{len(plan.marks)} problem(s) of the verdict, numbered as it numbers them "
-                                         "(a forward one also on its panel; report.md: where, evidence, cause, fix):"]
+    header = [] if not plan.marks else [f"{_plural(len(plan.marks), 'problem')} of the verdict, numbered as it "
+                                         "numbers them (a forward one also on its panel; report.md: where, evidence, "
+                                         "cause, fix):"]
     listed = [(row, colour) for texts, colour in ((header, "black"), ([m.text for m in plan.marks], DIVERGED_COLOUR),
                                                   (plan.notes, "black"))
               for text in texts for row in textwrap.wrap(text, 150, subsequent_indent="   ")]
