@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from conformance.meta.test_report_story import report_contradictions
 from conformance.user.example_draft import DROPPED_TENSOR, PLANTS, write_example
 from conformance.user.servable import conversion_findings, directory_problem, served_ids
 from conformance.user.verdict import Verdict
@@ -138,8 +139,8 @@ def runs(tmp_path_factory) -> dict[str, Future]:
 
     def run(case: Plant, draft: Path):
         start = time.perf_counter()
-        result = run_pytest(f"--draft-checkpoint={draft}", *case.args)
-        return result, time.perf_counter() - start
+        result = run_pytest(f"--draft-checkpoint={draft}", f"--report={root / case.id / 'report'}", *case.args)
+        return result, time.perf_counter() - start, root / case.id / "report"
 
     # The drafts are written here, one after the other: only the subprocesses run in threads (a first import
     # of a transformers class from two threads at once can fail inside its lazy module).
@@ -166,10 +167,11 @@ def verdict_block(stdout: str) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_the_verdict_names_the_problem(case, runs):
-    result, seconds = runs[case.id].result()
+    result, seconds, report = runs[case.id].result()
     out = result.stdout + result.stderr
     assert result.returncode == case.exit, \
         f"exit {result.returncode}, expected {case.exit} ({seconds:.0f} s):\n{out[-6000:]}"
+    assert not (found := report_contradictions(report)), "report.md or the chart says otherwise:\n" + "\n".join(found)
     heads = HEADLINE.findall(result.stdout)
     assert len(heads) == 1, f"expected one verdict line:\n{out[-6000:]}"
     block = verdict_block(result.stdout)
