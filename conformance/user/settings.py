@@ -262,20 +262,21 @@ def _draft_change(view: DraftView, change: DraftChange) -> tuple[Problem | None,
     config, model = _differences(file.config, served.config), _differences(file.module, served.module)
     if model:
         more = f" (and {len(model) - SHOWN_DIFFERENCES} more)" if len(model) > SHOWN_DIFFERENCES else ""
-        effects.append((f"the draft's config is served otherwise: {', '.join(config) or 'its model'}",
-                        f"the model SGLang builds for it: {'; '.join(model[:SHOWN_DIFFERENCES])}{more}"))
+        effects.append((f"the draft's config is served otherwise ({', '.join(k.split(':')[0] for k in config)})",
+                        f"its config.json as SGLang reads it -> as served: {'; '.join(config) or 'the same'}; the "
+                        f"model SGLang builds from it: {'; '.join(model[:SHOWN_DIFFERENCES])}{more}"))
     elif config:
-        notes.append(f"{', '.join(config)}: the model SGLang builds for the draft is the same (it reads none of them)")
+        notes.append(f"{'; '.join(config)}: the model SGLang builds for the draft is the same (it reads none of them)")
     if served.quantization != file.quantization:
-        effects.append((f"the draft's weights are quantized at load ({_show(served.quantization)})",
-                        f"quantization {_show(file.quantization)} (the draft's file) -> {_show(served.quantization)}"))
+        effects.append((f"the draft's weights are quantized at load ({served.quantization})",
+                        f"quantization: the draft's file {file.quantization or 'none'}, served {served.quantization}"))
     if served.dtype != file.dtype:
-        between_16_bit = served.dtype != served.stored and torch.float32 not in (served.dtype, served.stored)
         words = f"dtype {file.dtype} -> {served.dtype}; the draft's config says its weights are {served.stored}"
-        if between_16_bit:
+        if served.dtype == served.stored or torch.float32 in (served.dtype, served.stored):
+            notes.append(f"{words}: {'an upcast' if served.dtype == torch.float32 else 'a downcast from float32'}, "
+                         "within the precision the bf16 checks verify")
+        else:   # between the two 16-bit formats: range and rounding the draft was not trained with
             effects.append((f"the draft computes in {served.dtype}, its weights are {served.stored}", words))
-        else:
-            notes.append(f"{words}: an upcast, or a downcast from float32 (the precision the bf16 checks verify)")
     if served.kv_cache_dtype != file.kv_cache_dtype and served.kv_cache_dtype != served.dtype:
         effects.append((f"the draft's KV cache stores keys and values in {served.kv_cache_dtype}",
                         f"KV cache dtype {file.kv_cache_dtype} -> {served.kv_cache_dtype}; the draft computes in "
@@ -283,14 +284,14 @@ def _draft_change(view: DraftView, change: DraftChange) -> tuple[Problem | None,
     if not effects:
         return None, notes
     setting, given = change.setting, change.flag
-    where = f"server setting: {setting}" + (f" (from {given})" if given else "")
     derived = f"; SGLang derives it at {source_line(*change.derived_by)}" if change.derived_by else ""
     fix = f"drop {given}" if given == flag(setting) else (
-        f"give {flag(setting)} the draft's own value: SGLang resolves it to {_show(change.value)}"
-        + (f" from {given}" if given else "") + f", {_show(change.default)} without")
-    return Problem("; ".join(what for what, _ in effects), where, "; ".join(e for _, e in effects),
-                   f"the draft's worker builds it with this setting ({source_line(*change.read_at)}){derived}",
-                   fix, SETTINGS, key=f"settings:{setting}"), notes
+        f"give {flag(setting)} explicitly: SGLang resolves it to {change.value}"
+        + (f" from {given}" if given else "") + f" (without the flags: {_show(change.default)})")
+    return Problem("; ".join(what for what, _ in effects), f"server setting: {setting}" + (
+                       f" (from {given})" if given else ""), "; ".join(e for _, e in effects),
+                   f"the draft's worker builds it with this setting, as the target's "
+                   f"({source_line(*change.read_at)}){derived}", fix, SETTINGS, key=f"settings:{setting}"), notes
 
 
 # ---------------------------------------------------------------- what the registry knows
