@@ -6,13 +6,19 @@ Entry point (the verdict's user checks call it):
     check_user_settings(command_line, draft_dir, target_config, checkpoint, root) -> UserSettings
         `draft_dir`: the draft as SGLang reads it (the converted copy when SGLang cannot read the user's
         own); `checkpoint`: the user's DraftCheckpoint as given (its config says what training did).
-        UserSettings.problems: verdict Problems (rank SETTINGS); .requested / .effective: SGLang's values;
-        .rows(): report rows. Raises CommandLineError (one line) when SGLang refuses the flags.
+        UserSettings.problems: verdict Problems (rank SETTINGS); .notes: changes the draft does not feel;
+        .requested / .effective: every ServerArgs field, as the line gave it (None: not given) and as SGLang
+        resolved it; .rows(): report rows. Raises CommandLineError (one line) when SGLang refuses the flags.
 
 What the registry knows about SGLang's serving on the resolved settings is part of it: every applicable
 `settings` entry (conformance/core/registry.toml) is a problem, merged into the observed one of the same
 setting when a check below saw it, and every applicable `tree` entry (a tree draft SGLang serves unlike
 training) is one, with the entry's reason and fix.
+
+Every other setting, whatever its flag is called, is judged on the draft SGLang builds with it
+(conformance/adapters/sglang/settings.py draft_view: the draft's ModelConfig, model and KV cache dtype under
+the resolved line against under SGLang's defaults, each setting the build read tried alone): a problem
+where the draft computes or stores otherwise than its file says (_draft_change), a note where it does not.
 
 SGLang's side is its own code: the parser and resolve_once (conformance/adapters/sglang/settings.py), the
 context length from its ModelConfig for the target and then for the draft with the target's context

@@ -2,8 +2,10 @@
 
 The command line goes through SGLang's own parser (ServerArgs.add_cli_args, from_cli_args) and its
 own resolution (resolve_once: the speculative hook included) on CPU, with the target's config and
-the draft's; the effective values are SGLang's resolved_dict(). The serving behaviours of
-eagle3-semantics.md §5 that silently change what a trained draft does are listed next to them.
+the draft's; the effective values are SGLang's resolved_dict(), every field. The serving behaviours of
+eagle3-semantics.md §5 that silently change what a trained draft does are listed next to them. draft_view
+builds the draft as SGLang's EAGLE worker does under the resolved line and under SGLang's defaults, and
+names each setting the build read that changes it, with the user's flag behind it.
 """
 from __future__ import annotations
 
