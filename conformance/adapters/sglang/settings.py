@@ -236,7 +236,7 @@ class DraftChange:
     default: object                  # as resolved without the user's flags
     flag: str                        # the user's flag that set it, or that SGLang derived it from ("" if none)
     read_at: tuple[str, str]         # (module, text of the line) where the draft's build reads the setting
-    derived_by: tuple[str, str] | None   # (module, "def step(") SGLang's resolution step that set it, if derived
+    derived_by: tuple[str, str] | None   # (module, text of the line) where SGLang's resolution set it, if derived
     served: DraftReading             # the draft with this setting as resolved and every other as the file's
 
 
@@ -259,12 +259,12 @@ class _View:
 
         self._base, self._overlay = resolving_view(base), overlay or {}
         self.reads: dict[str, tuple[str, str]] = {}   # field -> where it was read: (module, text of the line)
-        self.reading = ("", "")
+        self.reader = ("", "{}")   # (module, text of its line, with {} for the field) of the code reading now
 
     def __getattr__(self, name: str):
         if name == "_resolved_overrides":
             return ()
-        self.reads.setdefault(name, (self.reading[0], self.reading[1].format(name)))
+        self.reads.setdefault(name, (self.reader[0], self.reader[1].format(name)))
         return self._overlay[name] if name in self._overlay else getattr(self._base, name)
 
 
@@ -305,11 +305,11 @@ def _reading(view, context_length: int | None):
     from sglang.srt.configs.model_config import _STR_DTYPE_TO_TORCH_DTYPE, ModelConfig
     from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
 
-    view.reading = ("sglang.srt.configs.model_config", "cfg.{}")
+    view.reader = ("sglang.srt.configs.model_config", "cfg.{}")
     config = ModelConfig.from_server_args(view, model_path=view.speculative_draft_model_path,
                                           model_revision=view.speculative_draft_model_revision,
                                           is_draft_model=True, context_length=context_length)
-    view.reading = ("sglang.srt.model_executor.model_runner", "def configure_kv_cache_dtype(")
+    view.reader = ("sglang.srt.model_executor.model_runner", "def configure_kv_cache_dtype(")
     _, kv = configure_kv_cache_dtype(   # the draft runner's call (model_runner.py configure_kv_cache_dtype)
         server_args_kv_cache_dtype=view.kv_cache_dtype, model=None, model_dtype=config.dtype, is_draft_worker=True,
         is_dflash=False, speculative_draft_attention_backend=view.speculative_draft_attention_backend,
