@@ -4,6 +4,8 @@ SGLang's own ServerArgs with the user's draft and a real target config.
 Each setting that changes what the draft computes is planted on its own and must come back as exactly
 that problem, with a cause that is a real line of the installed SGLang; the chain within the trained
 steps, at a context the draft covers, comes back clean; the seed's flags show the 16 -> 2 draft tokens.
+Flags of any name that change the draft SGLang builds are problems too; flags that build the same draft
+are none, and a read SGLang is planted to make of a harmless flag is found without naming it.
 """
 from __future__ import annotations
 
