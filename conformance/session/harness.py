@@ -15,7 +15,7 @@ import torch
 
 import pytest
 
-from conformance.adapters import ADAPTERS
+from conformance.adapters import ADAPTERS, REFERENCE
 from conformance.adapters.base import ServedBatch
 from conformance.core.trace import Trace, Unsupported
 from conformance.core.compare import Comparison, compare_traces
@@ -114,8 +114,8 @@ def compare_with_reference(drafts: DraftStore, impl: str, case: DraftCase, dtype
     raises LoadFailed."""
     dtype = DTYPES[dtype_name]
     actual = drafts.trace(impl, case, dtype, steps, teacher_forced)
-    same = drafts.trace("reference", case, dtype, steps, teacher_forced)
-    precise = drafts.trace("reference", case, drafts.precise, steps, teacher_forced)
+    same = drafts.trace(REFERENCE, case, dtype, steps, teacher_forced)
+    precise = drafts.trace(REFERENCE, case, drafts.precise, steps, teacher_forced)
     expected = precise if AGAINST[dtype] == torch.float64 else same
     return compare_traces(actual, expected, case.id, precise=precise, same=same)
 

@@ -148,7 +148,7 @@ def support_matrix(comparisons: list[dict], v: dict[str, str]) -> list[dict]:
         if _severity(verdict) > _severity(row.get(c["impl"])):
             row[c["impl"]] = verdict
     impls = sorted({c["impl"] for c in comparisons})
-    columns = {impl: f"{impl} {v.get(getattr(ADAPTERS.get(impl), 'package', None), '?')}" for impl in impls}
+    columns = {impl: f"{impl} {v.get(ADAPTERS[impl].package if impl in ADAPTERS else None, '?')}" for impl in impls}
     return [{"case": case, **{columns[i]: row.get(i, "not run") for i in impls}} for case, row in cells.items()]
 
 
