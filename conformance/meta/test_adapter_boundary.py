@@ -1,6 +1,6 @@
 """Only the adapter knows its implementation: no module outside conformance/adapters/ branches on an
-adapter's name or keeps a table keyed by it (what an implementation needs lives on its adapter, so a
-new implementation is one adapter file plus its registration line).
+adapter's name, keeps a table keyed by it or imports an adapter's internals (what an implementation needs
+lives on its adapter, so a new implementation is its adapter package plus its registration line).
 
 The modules' syntax trees are scanned for an adapter name as a string literal in a comparison
 (`impl == "sglang"`, `name in ("reference", ...)`), as a key (of a dict, the first element of a tuple
@@ -11,7 +11,8 @@ reached through its adapter; `conformance.adapters` itself and `conformance.adap
 Checkpoint *format* identifiers (and trainer names) share two of those strings; they are told apart by
 what they are compared with, assigned to or subscript, or for a call argument by the callee, the option it
 declares or the parameter it binds (a keyword, or the positional parameter of the project's definition of
-the callee), whose name says it holds a format or a trainer (FORMAT_CONTEXT). Test modules and the registry data may name implementations; they are not scanned.
+the callee), whose name says it holds a format or a trainer (FORMAT_CONTEXT). Test modules and the
+registry data may name implementations; they are not scanned.
 """
 from __future__ import annotations
 
