@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from pathlib import Path
+from types import ModuleType
 from typing import ClassVar
 
 import torch
@@ -39,9 +40,9 @@ class SGLangAdapter(AdapterBase):
     serving_decode: ClassVar[bool] = True
     is_server: ClassVar[bool] = True
     default_server: ClassVar[bool] = True   # it runs in-process here: its target classes, settings, tree and engine
-    target_capture = target                 # SGLang's target classes, fed the ids SGLang reads from a draft config
-    server_settings = settings              # --sglang-args through SGLang's own ServerArgs
-    engine = engine                         # SGLang's real Engine (the engine lane)
+    target_capture: ClassVar[ModuleType | None] = target     # its target classes, fed the ids it reads from a draft
+    server_settings: ClassVar[ModuleType | None] = settings  # --sglang-args through SGLang's own ServerArgs
+    engine: ClassVar[ModuleType | None] = engine             # SGLang's real Engine (the engine lane)
     releases: ClassVar[tuple[str, ...]] = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")   # differences: compat.py
     silent_drop: ClassVar[str | None] = ("load_weights loads a tensor only `if param_name in params_dict` "
                                          "(sglang/srt/models/llama_eagle3.py:363, 373) and skips the rest "

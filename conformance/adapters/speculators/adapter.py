@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import ClassVar
 
 import torch
@@ -54,7 +55,7 @@ class SpeculatorsAdapter(AdapterBase):
     draft_group: ClassVar[int | None] = 8   # its CPU attention materialises scores over the whole packed batch
     serving_decode: ClassVar[bool] = False
     is_trainer: ClassVar[bool] = True
-    training = training   # speculators' own training path: trains the acceptance area's tiny draft
+    training: ClassVar[ModuleType | None] = training   # its own training path: trains the acceptance area's draft
     releases: ClassVar[tuple[str, ...]] = ("0.8.0", "0.8.1", "0.9.0")   # the same draft code: no shim needed
     silent_drop: ClassVar[str | None] = None   # its loading is checked tensor by tensor: a drop is a refusal
 
