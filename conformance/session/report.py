@@ -155,7 +155,7 @@ def support_matrix(comparisons: list[dict], v: dict[str, str], verdict: dict | N
     for (case, impl), problems in problem_cells(comparisons, verdict, impls).items():
         found = cells[case].get(impl, "not run")
         cells[case][impl] = ", ".join(problems) + ("" if found in ("safe", "not run") else f": {found}")
-    columns = {impl: f"{impl} {v.get(getattr(ADAPTERS.get(impl), 'package', None), '?')}" for impl in impls}
+    columns = {impl: f"{impl} {v.get(ADAPTERS[impl].package if impl in ADAPTERS else None, '?')}" for impl in impls}
     return [{"case": case, **{columns[i]: row.get(i, "not run") for i in impls}} for case, row in cells.items()]
 
 

@@ -34,9 +34,7 @@ from pathlib import Path
 
 import torch
 
-from conformance.adapters.sglang.settings import (  # noqa: F401  CommandLineError: callers catch it from here
-    NUMBERS, CommandLineError, DraftChange, DraftView, draft_view, flag, resolve_line, shown,
-)
+from conformance.adapters import ADAPTERS, DEFAULT_SERVER
 from conformance.checkpoints.directory import DraftCheckpoint
 from conformance.checkpoints.errors import load_json
 from conformance.core import areas, registry
@@ -49,6 +47,12 @@ WORKER = "sglang.srt.speculative.eagle_worker_v2"
 DRAFT = "sglang.srt.models.llama_eagle3"
 EAGLE3_CLASSES = ("LlamaForCausalLMEagle3",)
 CONTEXT = "context_length"
+# SGLang's own resolution, the default server's `server_settings`. CommandLineError: callers catch it from here.
+SERVER_SETTINGS = ADAPTERS[DEFAULT_SERVER].server_settings
+NUMBERS, CommandLineError, DraftChange, DraftView = (SERVER_SETTINGS.NUMBERS, SERVER_SETTINGS.CommandLineError,
+                                                     SERVER_SETTINGS.DraftChange, SERVER_SETTINGS.DraftView)
+draft_view, flag, resolve_line, shown = (SERVER_SETTINGS.draft_view, SERVER_SETTINGS.flag,
+                                         SERVER_SETTINGS.resolve_line, SERVER_SETTINGS.shown)
 
 
 @dataclass
@@ -313,7 +317,7 @@ def _registered(requested: dict, effective: dict, cfg, draft_dir: Path, found: l
              "config_has_draft_vocab_size": raw.get("draft_vocab_size") is not None}
     seen = {p.key: p for p in found}
     out = []
-    for entry in registry.applicable("settings", "sglang", names):
+    for entry in registry.applicable("settings", DEFAULT_SERVER, names):
         key = f"settings:{entry.setting}"
         if key in seen:
             problem = seen[key]
@@ -333,7 +337,8 @@ def _registered(requested: dict, effective: dict, cfg, draft_dir: Path, found: l
 def _registered_problem(entry: registry.Known, evidence: str, fix: str, key: str = "") -> Problem:
     return Problem(f"SGLang serves {entry.setting} otherwise than the draft was trained ({entry.id})",
                    f"server setting: {entry.setting}", f"{evidence}; the registry's condition holds: {entry.when}",
-                   entry.reason, fix, SETTINGS, key=key or f"settings:{entry.setting}", known=entry.id, impl="sglang")
+                   entry.reason, fix, SETTINGS, key=key or f"settings:{entry.setting}", known=entry.id,
+                   impl=DEFAULT_SERVER)
 
 
 def _tree(effective: dict, cfg) -> list[Problem]:
@@ -346,8 +351,8 @@ def _tree(effective: dict, cfg) -> list[Problem]:
                     f"server flags: topk {topk}, {steps} steps, {tokens} draft tokens; draft step {entry.step}, "
                     f"stage `{entry.stage}`",
                     f"the registry's entry holds for this tree ({entry.when}) on sglang "
-                    f"{registry.installed_version('sglang')}: the tree check on tiny drafts "
+                    f"{registry.installed_version(DEFAULT_SERVER)}: the tree check on tiny drafts "
                     f"(conformance/draft/test_tree.py) first diverges at draft step {entry.step}, `{entry.stage}`",
                     entry.reason, fix_for(entry, cfg), SETTINGS, key=f"tree:{entry.id}", known=entry.id,
-                    impl="sglang")
-            for entry in registry.applicable("tree", "sglang", names)]
+                    impl=DEFAULT_SERVER)
+            for entry in registry.applicable("tree", DEFAULT_SERVER, names)]

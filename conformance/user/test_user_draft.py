@@ -50,7 +50,7 @@ def user_implementations(inputs, config=None) -> list[str]:
     chosen = served_with(config)
     others = other_trainers(inputs.trainer) if inputs else other_trainers(None, FORMAT_TRAINER[FIXTURE_FORMAT])
     return [impl for impl in ALL_IMPLEMENTATIONS if impl not in others
-            and (not ADAPTERS[impl].serving_decode or impl in chosen)]
+            and (not ADAPTERS[impl].is_server or impl in chosen)]
 
 
 def report_once(store, report, verdict) -> None:
