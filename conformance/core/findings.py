@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Problem ranks: the order problems are numbered in (the first that stops serving comes first).
-DIRECTORY, CONVERSION, LOADING, FORWARD, WIRING, SETTINGS, OTHER = range(7)
+DIRECTORY, CONVERSION, READING, LOADING, FORWARD, WIRING, SETTINGS, OTHER = range(8)
 FIELDS = ("what", "where", "evidence", "cause", "fix")
 
 
