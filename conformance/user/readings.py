@@ -43,11 +43,10 @@ OBSERVE = {"tie_word_embeddings": lm_head,
            "sliding_window": _knob("sliding window")}
 
 
-def names(inputs) -> dict[str, object]:
-    """What a reading condition reads: the knobs in training semantics, the file's format, the DEFAULTED keys
-    it leaves out and the keys whose stated value training overrules."""
-    ckpt = inputs.checkpoint
-    return {**dataclasses.asdict(inputs.config), "format": ckpt.format, "absent": ckpt.parsed.absent,
+def names(ckpt) -> dict[str, object]:
+    """What a reading condition reads of a DraftCheckpoint: the knobs in training semantics, the file's format,
+    the DEFAULTED keys it leaves out and the keys whose stated value training overrules."""
+    return {**dataclasses.asdict(ckpt.config), "format": ckpt.format, "absent": ckpt.parsed.absent,
             "overruled": tuple(ckpt.parsed.overruled)}
 
 
@@ -58,7 +57,7 @@ def observe(acct, key: str) -> str:
 def reading_problems(store, accounts: dict) -> list[Problem]:
     """One problem per key that an implementation reads otherwise than training, exactly as a registered
     reading says (`accounts`: per implementation, on the directory it loads; the reference's is training's)."""
-    given = names(store.inputs)
+    given = names(store.inputs.checkpoint)
     known = {impl: registry.applicable("reading", impl, given) for impl in accounts if impl != REFERENCE}
     out = []
     for key in dict.fromkeys(e.key for entries in known.values() for e in entries if e.key in OBSERVE):
