@@ -9,7 +9,9 @@ was not checked and the option that checks it, and with --target-config and --sg
 as trained"; bad input exits 4 with one line, and so does a --serve-with server that cannot run here.
 A tree SGLang drafts otherwise (the registry's tree entry) is a problem; a draft that does not say its
 trainer is judged against the reference, never blamed for a trainer's refusal, with the trainers that
-could have written it named.
+could have written it named. A valid file two implementations read differently (a tie flag with a pruned
+vocabulary and its own head; vLLM's reading of an absent key, in vLLM's lane) is one problem naming each
+reading and the key to write.
 The seed, from files: a draft trained on [embed, 3, 31] whose config.json was rewritten to ids SGLang
 turns into [3, 31, 59] on the real Kimi-K2.5 config is exactly that slot-by-slot problem, and the draft
 rewired as the verdict says exits 0; the seed's server flags on a user draft show the 16 -> 2 draft
