@@ -20,6 +20,10 @@ FOREIGN_KNOBS = ("embedding_multiplier", "residual_multiplier", "attention_multi
 # SGLang reads partial_rotary_factor as a config attribute only (llama.py:199-200); transformers keeps
 # it inside rope_parameters, where speculators' rotary embedding reads it (modeling_rope_utils.py).
 SGLANG_PARTIAL_ROTARY = "sglang/srt/models/llama.py:199-200"
+# How training reads a key the file states otherwise (ParsedConfig.overruled).
+TRAINED_AS = {"tie_word_embeddings": False}
+# Keys a speculators-format config may leave out, which each reader then defaults its own way.
+DEFAULTED = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 # The longest context a config may state: above any model's (Llama 4 Scout states 10,485,760), and SGLang's
 # rotary embedding allocates its cos/sin cache for every position up to it.
 MAX_POSITIONS = 2 ** 24
@@ -33,15 +37,26 @@ class ParsedConfig:
     knobs: dict                                   # Eagle3Config field -> value
     problems: tuple[tuple[str, str], ...] = ()    # (field, why): unsupported or contradictory knobs
     notes: tuple[str, ...] = ()                   # facts for the report (keys an implementation ignores, ...)
+    absent: tuple[str, ...] = ()                  # DEFAULTED keys the file leaves to each reader's default
 
     @property
     def runnable(self) -> bool:
         return not self.problems
 
+    @property
+    def overruled(self) -> dict[str, object]:
+        """Keys the file states that training does not read as stated: {key: the value as written}. A tie flag
+        with a pruned draft vocabulary: no trainer ties (speculators model.py:578, SpecForge modeling/auto.py:
+        90-92), so the draft was trained with its own lm_head.weight, while SGLang ties (llama_eagle3.py:303-304)."""
+        k = self.knobs
+        tied = k.get("tie_word_embeddings") and k.get("draft_vocab_size") != k.get("vocab_size")
+        return {"tie_word_embeddings": True} if tied else {}
+
     def config(self, file: str | Path = CONFIG_FILE) -> Eagle3Config:
+        """The config in training semantics: the knobs, with each overruled key as training reads it."""
         if self.problems:
             raise CheckpointError(file, *self.problems[0])
-        return Eagle3Config(**self.knobs)
+        return Eagle3Config(**{**self.knobs, **{key: TRAINED_AS[key] for key in self.overruled}})
 
 
 def rope(theta: float, scaling: dict | None, f: Fields, where: str, problems: list):
@@ -145,9 +160,6 @@ def check_contradictions(knobs: dict, problems: list) -> None:
     V, Vd = knobs["vocab_size"], knobs["draft_vocab_size"]
     if Vd > V:
         problems.append(("field draft_vocab_size", f"{Vd} is larger than vocab_size {V}"))
-    if knobs["tie_word_embeddings"] and Vd != V:
-        problems.append(("field tie_word_embeddings", f"true needs draft_vocab_size == vocab_size "
-                                                      f"({Vd} != {V}): lm_head would be the [{V}, H] embedding"))
     if knobs["norm_before_fc"] and knobs["fc_norm"]:
         problems.append(("field fc_norm", "contradicts norm_before_fc: the two are mutually exclusive "
                                           "(speculators config.py:89-96)"))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from conformance.core.findings import FORWARD, LOADING, SETTINGS, WIRING
+from conformance.core.findings import FORWARD, LOADING, READING, SETTINGS, WIRING
 from conformance.core.stages import TREE, TREE_FINAL, stage_names
 from reference.eagle3 import Eagle3Config
 
@@ -33,6 +33,9 @@ class Entry(Protocol):
     problem: str | None
     tensors: tuple[str, ...]
     setting: str | None
+    key: str | None
+    reads: str | None
+    source: str | None
 
 
 # ---------------------------------------------------------------- observations
@@ -74,6 +77,14 @@ class Setting:
     setting: str
 
 
+@dataclass(frozen=True)
+class Reading:
+    """What one implementation took a config key to mean, read off its loaded model (lm_head, a knob)."""
+
+    key: str
+    reads: str
+
+
 @dataclass
 class Match:
     """The entries an observation is exactly, and what none of them explains."""
@@ -101,6 +112,9 @@ ACCOUNTING_PROBLEMS = {"dropped silently": "dropped", "never loaded": "never_loa
                        "differs from checkpoint": "differs", "NaN/inf after loading": "nan"}   # -> Accounting field
 SETTING_NAMES = frozenset(SERVER_SETTINGS) | {"embed_tokens", "lm_head"}
 DRAFT_NAMES = KNOBS | frozenset(SERVER_FLAGS)
+# A reading is of the file as written: its format, the DEFAULTED keys it leaves out, the keys training overrules.
+READING_NAMES = KNOBS | {"format", "absent", "overruled"}
+READING_SOURCES = ("observed", "read from code")   # code: its implementation cannot run where the suite is built
 WIRING_NAMES = frozenset({"target", "target_class", "format", "case", "trainer", "num_layers", "trained_on_default",
                           "config_has_ids", "first_config_id", "min_config_id", "max_config_id", "config_shift",
                           "runner"})   # runner: a server with more than one model runner (vLLM: "v1", "v2"); else None
@@ -160,6 +174,11 @@ def _match_setting(known: Sequence[Entry], seen: Setting) -> Match:
     return Match(hits) if hits else Match(unexplained=[seen.setting])
 
 
+def _match_reading(known: Sequence[Entry], seen: Reading) -> Match:
+    hits = [e for e in known if e.area == "reading" and (e.key, e.reads) == (seen.key, seen.reads)]
+    return Match(hits[:1]) if hits else Match(unexplained=[f"reads {seen.key} as {seen.reads}"])
+
+
 def _stage_ok(extra: tuple[str, ...] = ()) -> Callable[[str], bool]:
     stages = frozenset(stage_names(4)) | set(extra)
     return stages.__contains__
@@ -185,6 +204,14 @@ def _check_load(item: Mapping) -> tuple[str, str] | None:
     if isinstance(item.get("error"), str) and not item["error"].isidentifier():
         return "error", f"{item['error']!r} is not an exception class name"
     return None
+
+
+def _check_reading(item: Mapping) -> tuple[str, str] | None:
+    if "source" in item and (problem := _one_of("source", READING_SOURCES)(item)):
+        return problem
+    if "step" in item or "stage" in item:
+        return _check_draft(item, _stage_ok())
+    return _check_load(item)
 
 
 def _check_tensors(item: Mapping) -> tuple[str, str] | None:
@@ -243,4 +270,8 @@ AREAS: dict[str, Area] = {a.name: a for a in (
     Area("settings", ("setting",), KNOBS | frozenset(SERVER_SETTINGS) | {"config_has_draft_vocab_size"}, Setting,
          _match_setting, place=lambda e: str(e.setting), cell=lambda e: f"served differently: {e.setting} ({e.id})",
          rank=SETTINGS, validate=_one_of("setting", SETTING_NAMES), optional=("shown_by",)),
+    Area("reading", ("key", "reads"), READING_NAMES, Reading, _match_reading,
+         place=lambda e: f"reads {e.key} as {e.reads}",
+         cell=lambda e: f"reads {e.key} as {e.reads} ({e.source or 'observed'}; {e.id})", rank=READING,
+         validate=_check_reading, optional=("fix", "source", "step", "stage", "error", "message")),
 )}

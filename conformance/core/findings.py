@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Problem ranks: the order problems are numbered in (the first that stops serving comes first).
-DIRECTORY, CONVERSION, LOADING, FORWARD, WIRING, SETTINGS, OTHER = range(7)
+DIRECTORY, CONVERSION, READING, LOADING, FORWARD, WIRING, SETTINGS, OTHER = range(8)
 # Each rank's area, as report.md and the chart name it (a load refusal and the weight accounting are both loading).
-AREA_OF_RANK = ("reading", "conversion", "loading", "forward", "wiring", "settings", "other")
+AREA_OF_RANK = ("reading", "conversion", "reading", "loading", "forward", "wiring", "settings", "other")
 FIELDS = ("what", "where", "evidence", "cause", "fix")
 
 

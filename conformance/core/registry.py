@@ -53,6 +53,10 @@ class Known:
     tensors: tuple[str, ...] = ()
     setting: str | None = None
     shown_by: str | None = None
+    key: str | None = None         # reading: the config key
+    reads: str | None = None       # reading: what the implementation takes it to mean
+    fix: str | None = None         # reading: the key to write so that every implementation reads it alike
+    source: str | None = None      # reading: "observed" (default) or "read from code"
     neutral: tuple[tuple[str, str], ...] = ()   # (knob or server flag, expression over the names), sorted
     neutral_weights: tuple[str, ...] = ()       # stored tensor names (regexes, searched) set to ones instead
 

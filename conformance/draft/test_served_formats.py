@@ -2,11 +2,14 @@
 against the reference, as test_step0.py runs it in the adapter's own format, on the same weights.
 
 A draft moves between trainers and servers in either format, and a server's readers of the two differ. What
-a server does differently in a format is declared here, each as a Known with its exact place (a format is
-not a registry name, as tree shapes are not: test_tree.py); the param is a strict xfail that only counts
-at that place. These run in the server's own lane when it has one (vLLM: make vllm).
+a server reads differently in a format is the registry's `reading` entries for that format (conformance/core/
+registry.toml), each with the exact place its comparison shows it (step and stage, or the loader's exception
+and message); the param is a strict xfail that only counts at that place. These run in the server's own lane
+when it has one (vLLM: make vllm).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,35 +18,18 @@ from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
 from conformance.core.common import first_line
 from conformance.core.compare import compare_traces
 from conformance.core.matching import known_param, match_forward, match_load, settle
-from conformance.core.registry import Known
+from conformance.core.registry import Known, applicable, case_names
 from fixtures.cases import STEP0_CASES
 
 pytestmark = pytest.mark.cpu
 
-VLLM_SGLANG_FORMAT = (
-    Known("draft", "vllm-sglang-format-tied-lm-head-taken-from-target", "vllm", "==0.33.0", "tie_word_embeddings",
-          "as in the speculators format (registry vllm-tied-lm-head-taken-from-target): without an lm_head tensor "
-          "the proposer serves the target's (v1/spec_decode/llm_base_proposer.py:1510-1523)",
-          step=0, stage="logits"),
-    Known("draft", "vllm-sglang-format-window-needs-layer-types", "vllm", "==0.33.0", "sliding_window != None",
-          "vLLM's Llama attention takes a window only from config.layer_types (model_executor/models/llama.py:"
-          "185-204); the SGLang-format config says sliding_window / use_sliding_window without layer_types, so "
-          "the draft attends to every key (the speculators format's transformer_layer_config carries layer_types)",
-          step=0, stage="layers.0.attn_core"),
-    Known("load", "vllm-sglang-format-qwen3-built-as-llama", "vllm", "==0.33.0", "draft_arch == 'qwen3'",
-          "architectures LlamaForCausalLMEagle3 resolves to Eagle3LlamaForCausalLM whatever the model_type "
-          "(model_executor/models/registry.py:702), which has no q_norm/k_norm, so its loader refuses the "
-          "tensors; the speculators format's translator picks Eagle3Qwen3ForCausalLM from model_type "
-          "(transformers_utils/configs/speculators/algos.py:39-46)",
-          error="ValueError", message=r"There is no module or parameter named 'layers\.0\.self_attn\.[qk]_norm'"),
-)
-KNOWN = {("vllm", "sglang"): VLLM_SGLANG_FORMAT}
-
 
 def known_for(impl: str, fmt: str, case) -> tuple[Known, ...]:
-    from conformance.core.registry import case_names
-
-    return tuple(e for e in KNOWN.get((impl, fmt), ()) if e.applies(case_names(case)))
+    """The registered readings of `impl` in this format that apply to the case, as the forward or load
+    behaviour its comparison shows (a file the suite writes states every key: nothing absent or overruled)."""
+    names = {**case_names(case), "format": fmt, "absent": (), "overruled": ()}
+    return tuple(dataclasses.replace(e, area="load" if e.error else "draft")
+                 for e in applicable("reading", impl, names) if e.stage or e.error)
 
 
 def params():

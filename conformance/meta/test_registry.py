@@ -288,6 +288,77 @@ def test_settings_entries_flag_a_probe(entry, settings_probes):
             f"{entry.id}: shown_by {shown.id} is not a comparison of {entry.impl}")
 
 
+# ---------------------------------------------------------------- readings of one file
+
+# Files as users write them (the example draft in a format, top-level config keys rewritten; None: removed), each
+# read by every implementation as the verdict gives it the file (conformance/user/store.py).
+READING_PROBES = {"tie_pruned_own_head": ("sglang", {"tie_word_embeddings": True}),
+                  "absent_norm_before_residual": ("speculators", {"norm_before_residual": None})}
+
+
+@pytest.fixture(scope="module")
+def reading_stores(tmp_path_factory) -> dict:
+    import json
+
+    from conformance.user.example_draft import write_example
+    from conformance.user.store import UserDraftStore
+    from conformance.user.user_draft import validate_inputs
+
+    root, out = tmp_path_factory.mktemp("readings"), {}
+    for name, (fmt, keys) in READING_PROBES.items():
+        draft, _, _ = write_example(root / name, fmt)
+        config = json.loads((draft / "config.json").read_text())
+        for key, value in keys.items():
+            config.pop(key) if value is None else config.__setitem__(key, value)
+        (draft / "config.json").write_text(json.dumps(config))
+        out[name] = UserDraftStore(root / name / "store", validate_inputs(draft))
+    return out
+
+
+def reading_problems(entry: Known, stores: dict) -> list[str]:
+    """What is wrong with a reading entry: it applies to no probe file, or on one its implementation's loaded
+    model reads the key otherwise than the entry says."""
+    from conformance.core.areas import Reading
+    from conformance.core.matching import judge
+    from conformance.user.readings import names, observe
+
+    applied = {name: store for name, store in stores.items()
+               if entry in registry.applicable("reading", entry.impl, names(store.inputs.checkpoint), (entry,))}
+    if not applied:
+        return [f"{entry.id}: applies to no probe file"]
+    problems = []
+    for name, store in applied.items():
+        seen = observe(store.account_of(entry.impl), entry.key)
+        if not judge("reading", [entry], Reading(entry.key, seen)).hits:
+            problems.append(f"{entry.id}: {entry.impl} reads {entry.key} of {name} as {seen!r}, not {entry.reads!r}")
+    return problems
+
+
+@pytest.mark.parametrize("entry", [e for e in entries("reading") if not (e.stage or e.error)], ids=by_id)
+def test_reading_entries_are_what_the_loaded_models_read(entry, reading_stores):
+    """Observed on the model each implementation loaded from the file as the verdict gives it (the entries with a
+    place, of a format the suite writes, are its comparisons' strict xfails: draft/test_served_formats.py)."""
+    problems = reading_problems(entry, reading_stores)
+    assert not problems, "stale registry entry:\n  " + "\n  ".join(problems)
+
+
+BOGUS_READINGS = [
+    Known("reading", "bogus-sglang-reads-the-stored-head", "sglang", ">=0", "'tie_word_embeddings' in overruled",
+          "x", key="tie_word_embeddings", reads="lm_head.weight"),
+    Known("reading", "bogus-speculators-defaults-true", "speculators", ">=0",
+          "format == 'speculators' and 'norm_before_residual' in absent", "x", key="norm_before_residual",
+          reads="true"),
+    Known("reading", "bogus-no-probe", "sglang", ">=0", "hidden_size == 12345", "x", key="tie_word_embeddings",
+          reads="embed_tokens"),
+]
+
+
+@pytest.mark.parametrize("entry", BOGUS_READINGS, ids=by_id)
+def test_a_bogus_reading_entry_is_caught(entry, reading_stores):
+    problems = reading_problems(entry, reading_stores)
+    assert problems and problems[0].startswith(entry.id), f"bogus entry not caught: {entry}"
+
+
 # ---------------------------------------------------------------- the file and the support matrix page
 
 ENTRY = 'id="x"\nimpl="sglang"\nversions="==0.5.23"\nreason="r"\n'

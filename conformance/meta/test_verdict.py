@@ -11,7 +11,9 @@ A tree SGLang drafts otherwise (the registry's tree entry) is a problem; a draft
 trainer is judged against the reference, never blamed for a trainer's refusal, with the trainers that
 could have written it named. A flag that changes the draft SGLang builds, none of them speculative_* (an fp8
 KV cache, a rope override meant for the target, a quantization SGLang derives for the draft) is a problem
-naming the setting and the user's flag behind it.
+naming the setting and the user's flag behind it. A valid file two implementations read differently (a tie
+flag with a pruned vocabulary and its own head; vLLM's reading of an absent key, in vLLM's lane) is one
+problem naming each reading and the key to write.
 The seed, from files: a draft trained on [embed, 3, 31] whose config.json was rewritten to ids SGLang
 turns into [3, 31, 59] on the real Kimi-K2.5 config is exactly that slot-by-slot problem, and the draft
 rewired as the verdict says exits 0; the seed's server flags on a user draft show the 16 -> 2 draft
@@ -79,6 +81,8 @@ class Plant:
     unchecked: tuple[str, ...] = ()      # exit 6: what the headline names as not checked, in order
     knobs: tuple[tuple[str, object], ...] = ()   # further config overrides of the example draft
     absent: tuple[str, ...] = ()         # what the verdict block must not say
+    written: tuple[tuple[str, object], ...] = ()   # config.json keys rewritten as a user wrote them (ABSENT: removed)
+    lane: str | None = None              # an implementation's own lane it needs (its tests' marker: plugin.own_lanes)
 
 
 PLANTED = [
@@ -150,7 +154,30 @@ SETTINGS = [
            "sglang/srt/arg_groups/serving_hook.py:", "give --speculative-draft-model-quantization explicitly"),
           (f"--target-config={LLAMA}", f"--sglang-args={CHAIN_ARGS} --quantization fp8")),
 ]
-CASES = PLANTED + CLEAN + SEED + ISSUE_23 + SETTINGS
+ABSENT = "<absent>"
+READINGS = [
+    # A valid file read two ways: a tie flag with a pruned vocabulary and its own lm_head.weight. SGLang ties its
+    # embedding as the head, speculators (the stated trainer) reads the stored head: one problem naming both
+    # readings, each entry's file:line and the key to write, never bad input.
+    Plant("tie_pruned_own_head", "sglang", None, 1, 1,
+          ("sglang-ties-lm-head-to-embedding", "sglang 0.5.23: embed_tokens", "speculators 0.9.0: lm_head.weight",
+           "llama_eagle3.py:303-304", "speculators/model.py:578", 'fix:      "tie_word_embeddings": false'),
+          ("--trainer=speculators",), written=(("tie_word_embeddings", True),)),
+    # vLLM is given the user's speculators config as written: without norm_before_residual it reads true where
+    # speculators reads false (vLLM's own lane).
+    Plant("absent_norm_before_residual_vllm", "speculators", None, 1, None,
+          ("vllm-absent-norm-before-residual-is-true", "vllm 0.33.0: true", "speculators 0.9.0: false",
+           "algos.py:33-35", '"norm_before_residual": false', "vllm: the directory as written"),
+          ("--serve-with=vllm",), written=(("norm_before_residual", ABSENT),), lane="vllm"),
+]
+CASES = PLANTED + CLEAN + SEED + ISSUE_23 + SETTINGS + READINGS
+
+
+def runnable(case: Plant) -> bool:
+    """A case of an implementation's own lane runs only where that lane's environment is built."""
+    from conformance.adapters import ADAPTERS
+
+    return case.lane is None or not next(a for a in ADAPTERS.values() if a.lane == case.lane).missing()
 
 
 @pytest.fixture(scope="module")
@@ -168,12 +195,14 @@ def runs(tmp_path_factory, request) -> dict[str, Future]:
     # of a transformers class from two threads at once can fail inside its lazy module).
     selected = {item.callspec.params["case"].id for item in request.session.items
                 if getattr(item, "function", None) is test_the_verdict_names_the_problem}
-    cases = [case for case in CASES if case.id in selected]   # `-k` runs only what it selects
+    cases = [case for case in CASES if case.id in selected and runnable(case)]   # `-k` runs only what it selects
     drafts = {}
     for case in cases:
         drafts[case.id], _, _ = write_example(root / case.id, case.fmt, plant=case.plant, knobs=dict(case.knobs))
         if case.eagle_ids is not None:
             write_eagle_ids(drafts[case.id], case.eagle_ids)
+        if case.written:
+            write_keys(drafts[case.id], case.written)
     futures = {case.id: pool.submit(run, case, drafts[case.id]) for case in cases}
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
@@ -183,6 +212,17 @@ def write_eagle_ids(draft: Path, ids) -> None:
     """config.json rewritten for serving: eagle_config ids only, nothing else changed."""
     config = json.loads((draft / "config.json").read_text())
     config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True}
+    (draft / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_keys(draft: Path, written) -> None:
+    """config.json with top-level keys set (or removed: ABSENT) as a user wrote them, nothing else changed."""
+    config = json.loads((draft / "config.json").read_text())
+    for key, value in written:
+        if value == ABSENT:
+            del config[key]
+        else:
+            config[key] = value
     (draft / "config.json").write_text(json.dumps(config, indent=2))
 
 

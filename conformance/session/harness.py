@@ -56,6 +56,10 @@ class DraftStore:
             self._checkpoints[case.id] = write_checkpoints(case.config, weights, self.root / case.id)
         return self._checkpoints[case.id]
 
+    def directory(self, impl: str, case: DraftCase) -> Path:
+        """The directory `impl` loads `case` from: its checkpoint in the implementation's own format."""
+        return self.checkpoint(case)[ADAPTERS[impl].checkpoint_format]
+
     def batch(self, case: DraftCase, steps: int = 1, teacher_forced: bool = True) -> DraftBatch:
         batch = make_batch(case.config, case.lengths, torch.Generator().manual_seed(case.seed + 1), steps,
                            positions_from=case.positions_from, teacher_forced=teacher_forced)
@@ -75,7 +79,7 @@ class DraftStore:
 
     def _run(self, impl: str, case: DraftCase, dtype: torch.dtype, steps: int, teacher_forced: bool) -> Trace:
         adapter = ADAPTERS[impl]()
-        ckpt = self.checkpoint(case)[adapter.checkpoint_format]
+        ckpt = self.directory(impl, case)
         try:
             loaded = adapter.load(ckpt, dtype, dict(case.sglang_args), device=self.device)
         except Exception as exc:  # the implementation's loader: keep its own words, on one line

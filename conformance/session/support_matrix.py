@@ -135,6 +135,17 @@ def settings_rows() -> list[dict]:
              **per_release(holds, e.impl, e)} for e in registry.REGISTRY if e.area == "settings"]
 
 
+def reading_rows() -> list[dict]:
+    """Per registered reading: the key of the file as written, when, what the implementation takes it to mean
+    (observed on its loaded model, or read from its code where it does not run with the suite)."""
+    def holds(impl, entry) -> str:
+        return "-" if impl != entry.impl else "yes" if entry.version_holds() else "no"
+
+    return [{"key": e.key, "when": f"`{e.when}`", "reading": AREAS[e.area].cell(e), "fix": e.fix or "-",
+             "versions": f"{e.impl} {e.versions}", **per_release(holds, None, e)}
+            for e in registry.REGISTRY if e.area == "reading"]
+
+
 def markdown(rows: list[dict]) -> str:
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -145,7 +156,9 @@ def markdown(rows: list[dict]) -> str:
 def doc_block() -> str:
     parts = [("Draft forward, loading and weight accounting", draft_rows()), ("Tree drafting", tree_rows()),
              ("Target wiring: what each server feeds the draft, per training case", wiring_rows()),
-             ("Server settings SGLang serves differently (flagged by the settings check)", settings_rows())]
+             ("Server settings SGLang serves differently (flagged by the settings check)", settings_rows()),
+             ("One file, read differently: each implementation's reading of a key (the verdict's reading check)",
+              reading_rows())]
     body = "\n\n".join(f"**{title}**\n\n{markdown(rows)}" for title, rows in parts)
     return f"{START}\n{body}\n{END}"
 

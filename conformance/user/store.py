@@ -1,10 +1,14 @@
 """The user's draft as a DraftStore case: the same conformance path (traces, compare, accounting) as the
 tiny cases, on copies of the user's files in each implementation's format.
 
-SGLang-family directories (SGLang's format, its legacy names, SpecForge's export) are given to SGLang
-as written; any other format goes through this suite's converter, and the verdict's first problem
-says so (conformance/user/servable.py). What runs, and what is reduced for a large draft, is the
-Plan's (conformance/user/plan.py).
+One reading per file: every implementation loads the directory as the user wrote it (config.json copied as
+written, the weights linked) in each format it reads: SGLang the SGLang family (SGLang's format, its legacy
+names, SpecForge's export), speculators and vLLM the speculators format, vLLM also SGLang's. Only an
+implementation that cannot read the format at all gets this suite's conversion, which keeps the keys the file
+states that training overrules (knobs.py ParsedConfig.overruled), and the verdict's "served as" line says so
+(for SGLang its first problem too, conformance/user/servable.py). Where two implementations read the file
+differently, the verdict names each reading (conformance/user/readings.py). What runs, and what is reduced
+for a large draft, is the Plan's (conformance/user/plan.py).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib
+import json
 import shutil
 from pathlib import Path
 
@@ -23,7 +28,6 @@ from conformance.adapters import ADAPTERS
 from conformance.core.trace import Trace
 from conformance.checkpoints.directory import write_draft
 from conformance.checkpoints.errors import ConversionError
-from conformance.checkpoints.formats import config_json
 from conformance.checkpoints.hidden_states import TinyTarget, read_dump, uses_tiny_target
 from conformance.checkpoints.knobs import CONFIG_FILE
 from conformance.checkpoints.training_data import MAX_TOKENS, Sample, first_samples, make_data_batch, make_samples
@@ -57,9 +61,11 @@ def used_samples(inputs: UserInputs) -> list[Sample]:
 class UserDraftStore(DraftStore):
     """A DraftStore whose `user_draft` case is the user's checkpoint and inputs (other cases as usual)."""
 
-    def __init__(self, root: Path, inputs: UserInputs):
+    def __init__(self, root: Path, inputs: UserInputs, servers: tuple[str, ...] = ("sglang",)):
         super().__init__(root)
         self.inputs = inputs
+        self.servers = servers                # the servers the verdict judges (--serve-with)
+        self.written: set[str] = set()        # the formats whose directory is the user's, as written
         self.samples = used_samples(inputs)
         self.aux_source = ""
         self._aux: list[torch.Tensor] | None = None
@@ -82,33 +88,35 @@ class UserDraftStore(DraftStore):
         return case.id.startswith(USER_CASE_ID) and case.overrides == self.case.overrides
 
     def checkpoint(self, case: DraftCase) -> dict[str, Path]:
-        """Copies in each implementation's format. SGLang-family drafts keep their own config.json and
-        tensor names, so SGLang reads them exactly as it would serve them (its legacy names, its
-        reading of norm_output, ...); other formats go through this suite's converter
-        (conformance/checkpoints/directory.py)."""
+        """A directory per format: the user's, as written, in its own format (and, for the SGLang family, as
+        SGLang's: SGLang reads those as written, its legacy names and its reading of norm_output included);
+        this suite's conversion in the others (conformance/checkpoints/directory.py)."""
         if not self.is_user(case):
             return super().checkpoint(case)
         case = self.case
         if case.id not in self._checkpoints:
             src, cfg = self.inputs.checkpoint, self.inputs.config
             root = self.root / case.id
-            linkable = _linkable(src)
-            weights = {} if linkable else _weights(src.path, cfg)
-            dirs = {"speculators": root / "speculators", "sglang": root / "sglang"}
-            if linkable and all(i.stored_name == n for n, i in src.tensors.items()):
-                _linked(src.path, dirs["speculators"], config_json(cfg, "speculators"))
-            else:
-                write_draft(cfg, weights or _weights(src.path, cfg), dirs["speculators"], "speculators")
-            if src.format in SGLANG_FAMILY and linkable:
-                _linked(src.path, dirs["sglang"])
-            elif src.format in SGLANG_FAMILY:
-                dirs["sglang"].mkdir(parents=True, exist_ok=True)
-                stored = {src.tensors[k].stored_name if k in src.tensors else k: v.contiguous()
-                          for k, v in (weights or _weights(src.path, cfg)).items()}
-                save_file(stored, str(dirs["sglang"] / WEIGHTS_FILE), metadata={"format": "pt"})
-                shutil.copyfile(src.path / CONFIG_FILE, dirs["sglang"] / CONFIG_FILE)
-            else:
-                write_draft(cfg, weights or _weights(src.path, cfg), dirs["sglang"], "sglang")
+            loaded: dict[str, torch.Tensor] = {}
+
+            def weights() -> dict[str, torch.Tensor]:
+                if not loaded:
+                    loaded.update(_weights(src.path, cfg))
+                return loaded
+
+            def converted(fmt: str, out: Path) -> Path:
+                write_draft(cfg, weights(), out, fmt)
+                _keep_stated(out, fmt, src.parsed.overruled)
+                return out
+
+            dirs = {}
+            for fmt in ("speculators", "sglang"):
+                if src.format == fmt or (fmt == "sglang" and src.format in SGLANG_FAMILY):
+                    dirs[fmt] = _as_written(src, root / fmt, weights)
+                    self.written.add(fmt)
+                else:
+                    dirs[fmt] = converted(fmt, root / fmt)
+            if "sglang" not in self.written:
                 self.eagle_ids = served_ids(self.inputs.trainer, self.inputs.target_file, self.root / "twins")
                 write_served_ids(dirs["sglang"], self.eagle_ids[0])
             # SpecForge reads its own directory as written (its names, its norm_output); any other format
@@ -116,24 +124,34 @@ class UserDraftStore(DraftStore):
             # for a draft SpecForge trained: no other runs it (trainer.other_trainers).
             run_formats = {a.checkpoint_format for impl, a in ADAPTERS.items()
                            if impl not in other_trainers(self.inputs.trainer)}
-            specforge_dir = root / "specforge"
             if "specforge" not in run_formats:
                 pass
-            elif src.format == "specforge" and linkable:
-                dirs["specforge"] = _linked(src.path, specforge_dir)
             elif src.format == "specforge":
-                specforge_dir.mkdir(parents=True, exist_ok=True)
-                stored = {src.tensors[k].stored_name if k in src.tensors else k: v.contiguous()
-                          for k, v in (weights or _weights(src.path, cfg)).items()}
-                save_file(stored, str(specforge_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-                shutil.copyfile(src.path / CONFIG_FILE, specforge_dir / CONFIG_FILE)
-                dirs["specforge"] = specforge_dir
+                dirs["specforge"] = _as_written(src, root / "specforge", weights)
+                self.written.add("specforge")
             else:
                 with contextlib.suppress(ConversionError):
-                    dirs["specforge"] = write_draft(cfg, weights or _weights(src.path, cfg), specforge_dir,
-                                                    "specforge")
+                    dirs["specforge"] = converted("specforge", root / "specforge")
             self._checkpoints[case.id] = dirs
         return self._checkpoints[case.id]
+
+    def read_format(self, impl: str) -> str:
+        """The format of the directory `impl` loads the user's draft from: the user's own where `impl` reads it
+        (its adapter's format or one of its `other_formats`), else its adapter's (a conversion)."""
+        adapter, fmt = ADAPTERS[impl], self.inputs.checkpoint.format
+        own = "sglang" if fmt in SGLANG_FAMILY and adapter.checkpoint_format == "sglang" else fmt
+        return own if own in (adapter.checkpoint_format, *getattr(adapter, "other_formats", ())) \
+            else adapter.checkpoint_format
+
+    def directory(self, impl: str, case: DraftCase) -> Path:
+        if not self.is_user(case):
+            return super().directory(impl, case)
+        return self.checkpoint(case)[self.read_format(impl)]
+
+    def as_written(self, impl: str) -> bool:
+        """Whether `impl` loads the user's directory as written (else this suite's conversion)."""
+        self.checkpoint(self.case)
+        return self.read_format(impl) in self.written
 
     def trace(self, impl: str, case: DraftCase, dtype: torch.dtype, steps: int = 1,
               teacher_forced: bool = True) -> Trace:
@@ -196,7 +214,7 @@ class UserDraftStore(DraftStore):
                     continue
                 if impl in other_trainers(self.inputs.trainer) or adapter.checkpoint_format not in dirs:
                     continue   # another trainer's implementation, or one that cannot express the draft
-                self._accounts[impl] = account(impl, dirs[adapter.checkpoint_format], self.plan.accounting,
+                self._accounts[impl] = account(impl, self.directory(impl, self.case), self.plan.accounting,
                                                self.inputs.target)
                 gc.collect()   # the model it loaded, before the next one loads
         return self._accounts
@@ -208,9 +226,8 @@ class UserDraftStore(DraftStore):
 
         accounts = self.accounts()
         if impl not in accounts:
-            adapter = ADAPTERS[impl]
-            accounts[impl] = account(impl, self.checkpoint(self.case)[adapter.checkpoint_format],
-                                     self.plan.accounting, self.inputs.target)
+            accounts[impl] = account(impl, self.directory(impl, self.case), self.plan.accounting,
+                                     self.inputs.target)
         return accounts[impl]
 
     def serving(self, name: str, compute):
@@ -265,6 +282,10 @@ class UserDraftStore(DraftStore):
         ids, why = self.eagle_ids
         if self.converted and why:
             served += f"; eagle_config ids {list(ids) if ids else 'none'} ({why})"
+        for impl in (s for s in self.servers if s != "sglang"):
+            served += f"; {impl}: " + ("the directory as written" if self.as_written(impl) else
+                                       f"this suite's conversion to the {self.read_format(impl)} format ({impl} "
+                                       f"does not read the {inputs.checkpoint.format} format)")
         return {"draft": f"{inputs.source}: {_knob_summary(inputs.config)}",
                 "trainer": self.trainer_line(layers),
                 "served_as": served,
@@ -296,17 +317,30 @@ def _linkable(src) -> bool:
         return (f.metadata() or {}).get("format") == "pt"
 
 
-def _linked(src: Path, out: Path, config: dict | None = None) -> Path:
-    """`out` with the source's weights linked (never written through) and its config, or `config`."""
-    import json
-
+def _as_written(src, out: Path, weights) -> Path:
+    """`out` holding the source directory as written: its config.json copied, its weights linked (never written
+    through) where an implementation can read them where they lie, else saved under their stored names
+    (`weights()`: canonical names, a missing embed_tokens substituted)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / WEIGHTS_FILE).symlink_to((src / WEIGHTS_FILE).resolve())
-    if config is None:
-        shutil.copyfile(src / CONFIG_FILE, out / CONFIG_FILE)
+    if _linkable(src):
+        (out / WEIGHTS_FILE).symlink_to((src.path / WEIGHTS_FILE).resolve())
     else:
-        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        stored = {src.tensors[k].stored_name if k in src.tensors else k: v.contiguous() for k, v in weights().items()}
+        save_file(stored, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    shutil.copyfile(src.path / CONFIG_FILE, out / CONFIG_FILE)
     return out
+
+
+def _keep_stated(out: Path, fmt: str, stated: dict[str, object]) -> None:
+    """A conversion's config.json with the keys the user's file states that training overrules, as stated (the
+    conversion writes training's reading): each implementation then reads the flag the file gives it."""
+    if not stated:
+        return
+    config = json.loads((out / CONFIG_FILE).read_text())
+    config.update(stated)
+    if fmt == "speculators":   # its loader reads the decoder layer's own config too
+        config["transformer_layer_config"].update(stated)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _knob_summary(cfg: Eagle3Config) -> str:
@@ -327,4 +361,6 @@ def make_user_store(config, root: Path):
         ckpt, data, dump = write_example(root / "inputs", FIXTURE_FORMAT)
         inputs = validate_inputs(ckpt, data, dump, source="fixture: tiny SpecForge-shaped export without "
                                                               "embed_tokens, JSONL samples, tiny-target dump")
-    return UserDraftStore(root / "store", inputs)
+    from conformance.user.serving import served_with
+
+    return UserDraftStore(root / "store", inputs, tuple(served_with(config)))

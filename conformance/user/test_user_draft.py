@@ -21,6 +21,7 @@ from conformance.core.sections import Section
 from conformance.loading.accounting import knob_rows
 from conformance.user.plan import FULL, STEPS, plan_for
 from conformance.user.problems import accounting_problems, forward_problem, load_problem, report_outcome
+from conformance.user.readings import reading_problems
 from conformance.user.serving import served_with
 from conformance.user.servable import conversion_findings, conversion_problem, directory_problem
 from conformance.user.trainer import FORMAT_TRAINER, other_trainers
@@ -97,6 +98,19 @@ def test_user_draft_conversion_keeps_the_draft(user_draft, report, verdict, requ
     problem = conversion_problem(findings, inputs.checkpoint.format)
     if problem is not None:
         fail(problem, verdict, request.node.nodeid, f"{problem.what}: {problem.where}")
+
+
+def test_user_draft_implementations_read_the_file_alike(user_draft, report, verdict, request):
+    """Each implementation's reading of the keys two can read differently (a tie flag with a pruned vocabulary,
+    a key left to each reader's default, a window), observed on the model it loaded, against training's."""
+    report_once(user_draft, report, verdict)
+    accounts = {**user_draft.accounts(), **{impl: user_draft.account_of(impl) for impl in served_with(request.config)
+                                            if impl in user_implementations(user_draft.inputs, request.config)}}
+    problems = reading_problems(user_draft, accounts)
+    for problem in problems[1:]:
+        verdict.add(problem, request.node.nodeid)
+    if problems:
+        fail(problems[0], verdict, request.node.nodeid, f"{problems[0].what}: {problems[0].evidence}")
 
 
 def check_forward(store, report, verdict, impl: str, dtype_name: str, nodeid: str, repro: str, steps: int):

@@ -81,3 +81,57 @@ def test_the_reduced_plan_still_finds_a_planted_divergence(reduced, tmp_path):
     store = store_for(tmp_path, "sglang", plant="norm_before_residual")
     first = compare_with_reference(store, "sglang", store.case, "bf16", 1).first_divergence
     assert first is not None and (first.step, first.stage) == (0, "layers.0.residual"), first
+
+
+# ---------------------------------------------------------------- one reading per file: the directories given
+
+def written_store(root, fmt: str, keys: dict | None = None, servers=("sglang", "vllm")) -> UserDraftStore:
+    """A store on the example draft in `fmt` with config keys rewritten as a user wrote them, judged for `servers`
+    (vLLM's directory is prepared whether or not its environment is built: nothing here starts it)."""
+    import json
+
+    draft, _, _ = write_example(root / "in", fmt)
+    if keys:
+        config = json.loads((draft / "config.json").read_text())
+        config.update(keys)
+        (draft / "config.json").write_text(json.dumps(config))
+    return UserDraftStore(root / "store", validate_inputs(draft), servers)
+
+
+@pytest.mark.parametrize("fmt,vllm_reads", [("speculators", "speculators"), ("sglang", "sglang")])
+def test_every_implementation_that_reads_the_format_gets_the_file_as_written(fmt, vllm_reads, tmp_path):
+    """config.json byte for byte and the weights linked, for the implementation of that format and for vLLM, which
+    reads both; the user's files unchanged."""
+    store = written_store(tmp_path, fmt)
+    user = store.inputs.checkpoint.path
+    before = {p.name: p.read_bytes() for p in user.iterdir()}
+    own = "sglang" if fmt == "sglang" else "speculators"
+    assert store.read_format("vllm") == vllm_reads and store.as_written("vllm") and store.as_written(own)
+    for impl in ("vllm", own):
+        given = store.directory(impl, store.case)
+        assert (given / "config.json").read_bytes() == before["config.json"], f"{impl}: config.json rewritten"
+        assert (given / "model.safetensors").resolve() == (user / "model.safetensors").resolve(), impl
+    other = "speculators" if own == "sglang" else "sglang"
+    assert not store.as_written(other), f"{other} cannot read the {fmt} format: a conversion"
+    assert "vllm: the directory as written" in store.context()["served_as"], store.context()
+    assert before == {p.name: p.read_bytes() for p in user.iterdir()}, "the user's directory changed"
+
+
+def test_a_format_vllm_cannot_read_is_converted_and_the_verdict_says_so(tmp_path):
+    store = written_store(tmp_path, "specforge")
+    assert store.read_format("vllm") == "speculators" and not store.as_written("vllm") and store.as_written("sglang")
+    served = store.context()["served_as"]
+    assert ("vllm: this suite's conversion to the speculators format (vllm does not read the specforge format)"
+            in served), served
+
+
+def test_a_conversion_keeps_the_keys_the_file_states(tmp_path):
+    """A tie flag with a pruned vocabulary, which training overrules: the conversion speculators reads still
+    says it (both levels), so speculators' reading of the flag is the one observed."""
+    import json
+
+    store = written_store(tmp_path, "sglang", {"tie_word_embeddings": True}, servers=("sglang",))
+    assert store.inputs.checkpoint.parsed.overruled == {"tie_word_embeddings": True}
+    assert not store.inputs.config.tie_word_embeddings, "training reads the stored head"
+    config = json.loads((store.directory("speculators", store.case) / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True and config["transformer_layer_config"]["tie_word_embeddings"] is True

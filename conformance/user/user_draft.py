@@ -78,8 +78,12 @@ def validate_checkpoint(path: Path) -> tuple[DraftCheckpoint, list[str]]:
             notes.append("embed_tokens absent (as SpecForge and EAGLE-3 export): SGLang serves with the target's; "
                          "this run substitutes a seeded random one for every implementation")
             continue
+        why = needed_by(name, cfg)
+        if name == "lm_head.weight" and "tie_word_embeddings" in ckpt.parsed.overruled:
+            why = (f"tie_word_embeddings is true with draft_vocab_size {cfg.draft_vocab_size} != vocab_size "
+                   f"{cfg.vocab_size}: the [{cfg.vocab_size}, H] embedding cannot be the draft's head")
         raise CheckpointError(weights_file, f"tensor {from_canonical(name, ckpt.format)}",
-                              f"missing (needed because {needed_by(name, cfg)})")
+                              f"missing (needed because {why})")
     for name, info in ckpt.tensors.items():
         where = (info.file, f"tensor {info.stored_name}")
         if name not in expected and name not in optional:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.core.findings import FORWARD, LOADING, OTHER, Problem
+from conformance.core.findings import FORWARD, LOADING, OTHER, READING, Problem
 
 SERVED, NOT_SERVED, NOT_CHECKED = "served as trained", "NOT served as trained", "not checked"
 EXIT_SERVED, EXIT_NOT_SERVED, EXIT_BAD_INPUT, EXIT_NOT_CHECKED = 0, 1, 4, 6
@@ -62,14 +62,19 @@ class Verdict:
         return any(nodeid in p.checks for p in self.problems.values())
 
     def finish(self) -> None:
-        """An unregistered divergence of an implementation that did not load the checkpoint as written
-        is folded into that loading problem (the tensor it did not load is the first suspect); a failed
+        """An unregistered finding of an implementation that reads the file otherwise than training is folded
+        into that reading problem (its reading is the first suspect), and an unregistered divergence of one that
+        did not load the checkpoint as written into that loading problem (the tensor it did not load); a failed
         check that named no problem becomes one, with its own first line as evidence."""
         for key, p in list(self.problems.items()):
-            loading = next((q for q in self.problems.values() if q.rank == LOADING and q.impl == p.impl), None)
-            if p.rank == FORWARD and not p.known and p.impl and loading is not None:
-                loading.evidence += f"; then the forward departs at {p.where}: {p.evidence}"
-                loading.checks += [c for c in p.checks if c not in loading.checks]
+            if p.known or not p.impl or p.rank not in (LOADING, FORWARD):
+                continue
+            into = next((q for q in self.ordered() if q.impl == p.impl and q is not p
+                         and (q.rank == READING or (q.rank == LOADING and p.rank == FORWARD))), None)
+            if into is not None:
+                then = "the forward departs at" if p.rank == FORWARD else "its loading:"
+                into.evidence += f"; then {then} {p.where}: {p.evidence}"
+                into.checks += [c for c in p.checks if c not in into.checks]
                 del self.problems[key]
         for nodeid, line in self.failed.items():
             if not self.covered(nodeid):

@@ -9,10 +9,14 @@ These tests run in the implementation's own lane (e.g. `make vllm`), never in th
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
-from conformance.core.matching import known_param, match_wiring, settle
+from conformance.checkpoints.knobs import DEFAULTED
+from conformance.core.areas import Reading
+from conformance.core.matching import judge, known_param, match_wiring, settle
 from conformance.core.registry import applicable
 from conformance.core.sections import Section
 from conformance.wiring.cases import (
@@ -131,21 +135,22 @@ def test_a_shifted_config_is_caught(impl, wiring, server_targets, repro):
 # ---------------------------------------------------------------- the draft's knobs as each server reads them
 
 # A key a speculators-format config may leave out: the reading speculators itself gives it (its config
-# class's default) must be the server's. Where a server reads the absent key otherwise, the test says why.
-ABSENT_KEYS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-READS_OTHERWISE = {
-    "norm_before_residual": "vLLM's speculators translator defaults an absent norm_before_residual to True "
-                            "(transformers_utils/configs/speculators/algos.py:33-35); speculators' own default is "
-                            "False (speculators/models/eagle3/config.py:43-46): a config without the key trained "
-                            "as False is served with the residual taken after hidden_norm",
-}
+# class's default) must be the server's. Where a server reads the absent key otherwise, the registry's
+# `reading` entry says so (registry.toml), and the param is a strict xfail that only counts with that reading.
+ABSENT_KEYS = DEFAULTED
+
+
+def absent_known(impl: str, key: str):
+    from fixtures.tiny import make_config
+
+    names = {**dataclasses.asdict(make_config()), "format": "speculators", "absent": (key,), "overruled": ()}
+    return [e for e in applicable("reading", impl, names) if e.key == key]
 
 
 def absent_key_params():
     for impl in SERVERS:
         for key in ABSENT_KEYS:
-            marks = [pytest.mark.xfail(strict=True, reason=READS_OTHERWISE[key])] if key in READS_OTHERWISE else []
-            yield pytest.param(impl, key, id=f"{impl}-{key}", marks=marks)
+            yield known_param(impl, key, id=f"{impl}-{key}", known=absent_known(impl, key))
 
 
 @pytest.mark.parametrize("impl,key", list(absent_key_params()))
@@ -167,5 +172,6 @@ def test_server_reads_an_absent_knob_as_training(impl, key, server_targets, repr
                                                 / "config.json", N)
     assert not served["error"], served["error"]
     reading = served["reading"].get(key)
-    assert reading == training, (f"{impl} reads a speculators-format config without {key} as {reading}, "
-                                 f"speculators as {training}\n  repro: {repro}")
+    if reading != training:
+        settle(f"{impl} reads a speculators-format config without {key} as {reading}, speculators as {training}\n"
+               f"  repro: {repro}", judge("reading", absent_known(impl, key), Reading(key, str(reading).lower())).hits)

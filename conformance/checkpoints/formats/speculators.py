@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conformance.checkpoints.errors import CheckpointError, ConversionError, Fields
-from conformance.checkpoints.knobs import ParsedConfig, check_contradictions, layer_knobs
+from conformance.checkpoints.knobs import DEFAULTED, ParsedConfig, check_contradictions, layer_knobs
 from reference.eagle3 import Eagle3Config
 
 NAME = "speculators"
@@ -48,7 +48,7 @@ def parse(raw: dict, file: Path) -> ParsedConfig:
         notes.append("embed_requires_grad: the draft trained its own embed_tokens, but SGLang serves with the "
                      "target's (eagle_worker_v2.py:355-363)")
     check_contradictions(knobs, problems)
-    return ParsedConfig(NAME, knobs, tuple(problems), tuple(notes))
+    return ParsedConfig(NAME, knobs, tuple(problems), tuple(notes), tuple(k for k in DEFAULTED if k not in raw))
 
 
 def stored_name(name: str) -> str:
