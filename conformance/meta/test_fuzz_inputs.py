@@ -227,6 +227,24 @@ def test_a_bug_the_campaign_found_stays_fixed(regression, bases, lazy_sglang, tm
     assert outcome.bad is not None and regression.words in outcome.bad, outcome
 
 
+# Issue 23's wrong point 7, as a user met it: the inputs that ended in an INTERNALERROR and exit 3, or in a
+# failure inside a check, each through a real process (pytest from the repository, the entry point from an
+# empty directory): exit 4 and the one line naming the file and the field, no traceback.
+CRASHED = ("layer_types_true", "weight_map_value_not_a_string", "rope_theta_in_rope_parameters_a_string")
+
+
+def test_what_crashed_is_one_line_through_real_processes(bases, lazy_sglang, tmp_path):
+    by_id = {b.id: b for b in bases}
+    picked = [r for r in REGRESSIONS if r.id in CRASHED]
+    sample = [(r.mutant, run(r.mutant, by_id, tmp_path / f"m{i}")) for i, r in enumerate(picked)]
+    results = through_processes(sample, by_id, tmp_path / "sub", forked=False)
+    assert len(results) == len(CRASHED)
+    for regression, (mutant, expected), (inputs, result) in zip(picked, sample, results):
+        assert expected.bad is not None and regression.words in expected.bad, (regression.id, expected)
+        check_process(mutant, expected, inputs, result)   # exit 4, exactly that one line, no INTERNALERROR
+        assert "Traceback" not in result.output, result.output[-4000:]
+
+
 def test_the_safety_net_is_one_line_naming_the_file(bases, monkeypatch, tmp_path):
     """An exception of the validation itself (a bug, planted here) is one line naming the file, and the check
     of the campaign calls it a bug."""
