@@ -118,10 +118,10 @@ def refusal(serve_with: str | None = None) -> str | None:
     if missing:
         return f"{PROG}: the suite's own needs are not installed: {', '.join(missing)} ({SUITE_NEEDS})"
     from conformance.adapters import ADAPTERS
-    from conformance.adapters.base import lane_of, supported_range
+    from conformance.adapters.base import supported_range
 
     for adapter in ADAPTERS.values():
-        if adapter.package is None or lane_of(adapter) != DEFAULT_LANE:
+        if adapter.package is None or adapter.lane != DEFAULT_LANE:
             continue
         version = adapter.version()
         tested = ", ".join(adapter.releases)

@@ -18,8 +18,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 from conformance.session.report import Report
 
-from conformance.adapters import versions
-from conformance.user.serving import DEFAULT_SERVER as SERVE_WITH_DEFAULT
+from conformance.adapters import DEFAULT_SERVER as SERVE_WITH_DEFAULT, versions
 from conformance.session.report_render import terminal_lines
 
 
@@ -145,7 +144,6 @@ def own_lanes(config, items) -> None:
     marker instead of `cpu` (wherever `cpu` was set: function, module), so `-m cpu` never selects it and
     `-m vllm` does; without that environment it skips with the adapter's one line."""
     from conformance.adapters import ADAPTERS
-    from conformance.adapters.base import lane_of
 
     for item in items:
         params = item.callspec.params if hasattr(item, "callspec") else {}
@@ -153,10 +151,10 @@ def own_lanes(config, items) -> None:
         adapter = ADAPTERS.get(impl) if isinstance(impl, str) else None
         lane = getattr(params.get("case"), "lane", None)   # a benchmark case of a lane's own sweep
         if adapter is None and lane not in (None, "cpu"):
-            adapter = next(a for a in ADAPTERS.values() if lane_of(a) == lane)
-        if adapter is None or lane_of(adapter) == "cpu":
+            adapter = next(a for a in ADAPTERS.values() if a.lane == lane)
+        if adapter is None or adapter.lane == "cpu":
             continue
-        lane = lane_of(adapter)
+        lane = adapter.lane
         config.addinivalue_line("markers", f"{lane}: the tests of implementations whose adapter's lane is {lane!r}")
         item.iter_markers_with_node = _without_cpu(item.iter_markers_with_node)
         item.add_marker(getattr(pytest.mark, lane))
@@ -308,6 +306,6 @@ def acceptance(trained_draft, tmp_path_factory):
 @pytest.fixture(scope="session")
 def sglang_args(request) -> str:
     """--sglang-args, or the chain settings the trained draft conforms to."""
-    from conformance.adapters.sglang.settings import DEFAULT_SGLANG_ARGS
+    from conformance.adapters import ADAPTERS, DEFAULT_SERVER
 
-    return request.config.getoption("--sglang-args") or DEFAULT_SGLANG_ARGS
+    return request.config.getoption("--sglang-args") or ADAPTERS[DEFAULT_SERVER].server_settings.DEFAULT_SGLANG_ARGS

@@ -17,10 +17,8 @@ import torch
 
 from conformance.acceptance.faults import FAULT_REQUESTS, Fault, plant, served_aux_ids
 from conformance.acceptance.stagewise import first_divergence, right_padded, round_rows
-from conformance.adapters import ADAPTERS
+from conformance.adapters import ADAPTERS, DEFAULT_TRAINER
 from conformance.adapters.base import Drafter
-from conformance.adapters.speculators.adapter import heldout_metrics
-from conformance.adapters.speculators.training import scored_starts, speculators_items
 from conformance.core.compare import Comparison
 from conformance.acceptance.trained_draft import GreedyTarget, TrainedDraft, one_thread
 from reference.eagle3 import DraftBatch
@@ -30,7 +28,7 @@ K_MAX = 5                   # draft steps simulated (every K <= K_MAX comes from
 REQUESTS_PER_SEQUENCE = 8   # verify rounds drawn per held-out sequence (64 sequences: 512 rounds)
 CHUNK = 16                  # requests per drafter call
 REQUEST_SEED = 11
-PREDICTOR = "speculators"   # the implementation whose training metrics make the prediction
+PREDICTOR = DEFAULT_TRAINER   # the implementation whose training metrics make the prediction (its `training`)
 
 # ---------------------------------------------------------------- predicted: speculators' metrics
 
@@ -62,10 +60,13 @@ def speculators_prediction(trained: TrainedDraft, steps: int = K_MAX) -> Predict
     metrics scored at each start row (scored_starts)."""
     cfg = trained.config
     _, aux, last = trained.target().run(trained.heldout_ids, cfg.aux_layer_ids)
-    with scored_starts() as seen:
-        totals = heldout_metrics(trained.checkpoints[PREDICTOR], trained.target_dir,
-                                 speculators_items(trained.heldout_ids, aux, last), cfg.hidden_size,
-                                 cfg.num_aux_hidden_states, steps, trained.recipe.loss)
+    predictor = ADAPTERS[PREDICTOR]
+    training = predictor.training
+    items = training.speculators_items(trained.heldout_ids, aux, last)
+    with training.scored_starts() as seen:
+        totals = training.heldout_metrics(predictor(), trained.checkpoints[predictor.checkpoint_format],
+                                          trained.target_dir, items, cfg.hidden_size, cfg.num_aux_hidden_states,
+                                          steps, trained.recipe.loss)
     full = [totals[f"full_acc_{k}_sum"] / totals[f"full_acc_{k}_total"] for k in range(steps)]
     cond = [totals[f"cond_acc_{k}_sum"] / totals[f"cond_acc_{k}_total"] for k in range(steps)]
     S, rows = trained.heldout_ids.shape[0], trained.heldout_ids.shape[1] - 1   # shift_batch: T - 1 pairs

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from conformance.adapters import DEFAULT_SERVER, DEFAULT_TRAINER
 from conformance.checkpoints import WEIGHTS_FILE
 from conformance.acceptance.trained_draft import TrainedDraft
 
@@ -52,17 +53,17 @@ class Fault:
 FAULTS: tuple[Fault, ...] = (
     Fault("aux_layers_shifted", "the served capture list starts at the embedding output, each chunk the one "
           "before it: (0, 2, 5) for (2, 5, 7), the [embed, layer3, layer31] for [layer3, layer31, layer59] "
-          "class (field-evidence.md §0)", "sglang", "aux_in", served_aux=lambda ids: (0, *ids[:-1]),
+          "class (field-evidence.md §0)", DEFAULT_SERVER, "aux_in", served_aux=lambda ids: (0, *ids[:-1]),
           costs_acceptance=False),
     Fault("fc_skipped", "fc passes the first aux chunk through: layer 0 reads a raw target state, as when "
-          "SGLang skips fc (models/llama_eagle3.py:238)", "sglang", "fc_out", weights=_fc_passes_first_chunk),
-    # Served by speculators, which honours the knob (SGLang has no such path): its residual is a local
-    # variable (NOT_OBSERVABLE in its adapter), so the first stage that carries it is post_attn.
+          "SGLang skips fc (models/llama_eagle3.py:238)", DEFAULT_SERVER, "fc_out", weights=_fc_passes_first_chunk),
+    # Served by the trainer (speculators), which honours the knob (SGLang has no such path): its residual is a
+    # local variable (NOT_OBSERVABLE in its adapter), so the first stage that carries it is post_attn.
     Fault("residual_after_norm", "layer 0 adds attention to the normed hidden (norm_before_residual set; "
-          "trained without)", "speculators", "layers.0.post_attn", config=_residual_after_norm,
+          "trained without)", DEFAULT_TRAINER, "layers.0.post_attn", config=_residual_after_norm,
           costs_acceptance=False),
     Fault("d2t_off_by_one", "d2t read one entry off: each draft id maps to its neighbour's target id + 1",
-          "sglang", "target_ids", weights=_d2t_read_one_off),
+          DEFAULT_SERVER, "target_ids", weights=_d2t_read_one_off),
 )
 FAULT_REQUESTS = 128   # verify rounds per fault (the first ones of the correct run: a paired comparison)
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from conformance.adapters.base import lane_of
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.sglang import SGLangAdapter
 from conformance.adapters.specforge import SpecForgeAdapter
@@ -20,7 +19,12 @@ REFERENCE = ReferenceAdapter.name                                  # what every 
 # Every implementation under test, and those of them whose tests run in the default lane (the others run in a
 # lane of their own, e.g. `pytest -m vllm`: their adapter's `lane`; loops inside default-lane tests use these).
 ALL_IMPLEMENTATIONS = tuple(name for name in ADAPTERS if name != REFERENCE)
-IMPLEMENTATIONS = tuple(name for name in ALL_IMPLEMENTATIONS if lane_of(ADAPTERS[name]) == "cpu")
+IMPLEMENTATIONS = tuple(name for name in ALL_IMPLEMENTATIONS if ADAPTERS[name].lane == "cpu")
+# The server a user's draft is checked against by default, whose own machinery (target capture, settings, tree,
+# engine) the areas drive in this process; and the trainer whose own training path trains the acceptance
+# area's tiny draft. Each is found by its adapter's capability, never by name.
+DEFAULT_SERVER = next(name for name, a in ADAPTERS.items() if a.default_server)
+DEFAULT_TRAINER = next(name for name, a in ADAPTERS.items() if a.training is not None)
 # The registry's entries hold per implementation and installed version: it learns both from here.
 registry.use_implementations({name: ADAPTERS[name].version for name in ALL_IMPLEMENTATIONS})
 

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, fields, replace
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Protocol
+from types import MappingProxyType, ModuleType
+from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Mapping, Protocol
 
 import torch
 from packaging.version import Version
@@ -55,11 +56,6 @@ def installed_version(package: str | None) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
-
-
-def lane_of(adapter) -> str:
-    """The pytest lane an adapter's tests run in (DraftAdapter.lane; adapters that do not say: "cpu")."""
-    return getattr(adapter, "lane", "cpu")
 
 
 def supported_range(adapter) -> str:
@@ -129,7 +125,8 @@ class LoadedDraft(Protocol):
 
 
 class DraftAdapter(Protocol):
-    """One implementation under test (or the reference). Registered in conformance/adapters/__init__.py."""
+    """One implementation under test (or the reference). Registered in conformance/adapters/__init__.py;
+    derive AdapterBase, which gives every capability its default."""
 
     name: ClassVar[str]                       # the adapter name: test ids, the registry, the report
     package: ClassVar[str | None]             # the distribution its version comes from (None: the reference)
@@ -142,8 +139,45 @@ class DraftAdapter(Protocol):
                                               # DECODE over the cached keys), not every packed row (a TTT step)
     releases: ClassVar[tuple[str, ...]]       # the releases of `package` the suite is tested against, oldest
                                               # first (the version matrix, README "Releases under test")
-    lane: ClassVar[str] = "cpu"               # the pytest lane (marker) its tests run in: "cpu", the default lane,
-                                              # or a lane of its own (e.g. "vllm": its own environment); lane_of()
+
+    # ------------------------------------------------------------ capabilities (defaults: AdapterBase)
+    # Its role: what the areas do with it (a trainer's draft is what a user brings; a server's is what is
+    # served). The reference is neither.
+    is_server: ClassVar[bool]                 # default False: it serves drafts (the user's --serve-with, the
+                                              # support matrix's server columns, the wiring and settings areas)
+    is_trainer: ClassVar[bool]                # default False: it trains drafts (the checkpoints users bring)
+    default_server: ClassVar[bool]            # default False: the one server a user's draft is checked against
+                                              # unless --serve-with says otherwise, and whose own machinery
+                                              # (target capture, settings, tree, engine) the areas drive in-process
+    lane: ClassVar[str]                       # default "cpu": the pytest lane (marker) its tests run in, or a lane
+                                              # of its own (e.g. "vllm": its own environment, `make vllm`)
+    runners: ClassVar[tuple[str, ...]]        # default (): a server's model runners that read the draft config
+                                              # each their own way, the one a server picks first (vLLM: V2, V1)
+    other_formats: ClassVar[tuple[str, ...]]  # default (): checkpoint formats it also serves besides its own
+                                              # (conformance/draft/test_served_formats.py)
+    # default None: a server whose target boundaries the wiring area reads in this process, from its
+    # `target_capture`. Otherwise its own code answers, in its own environment: served_boundaries(draft_dir,
+    # target_config, num_layers, runner) -> {"read", "served", "error", "observed", ...} (adapters/vllm/wiring.py).
+    served_boundaries: ClassVar[Callable[..., dict] | None]
+    # Its machinery the areas drive in this process (default None: it has none here). Modules of its own
+    # package, imported without importing the implementation (each imports it lazily).
+    target_capture: ClassVar[ModuleType | None]    # its real target classes with EAGLE-3 aux capture: the wiring
+                                                   # area and the user's wiring check (adapters/sglang/target.py)
+    server_settings: ClassVar[ModuleType | None]   # how it resolves its command-line server settings: the
+                                                   # settings area and the user's check (adapters/sglang/settings.py)
+    engine: ClassVar[ModuleType | None]            # its serving engine end to end: the engine lane
+                                                   # (adapters/sglang/engine.py, its shims engine_shims.py)
+    training: ClassVar[ModuleType | None]          # its own training path: the acceptance area trains its tiny
+                                                   # draft with it (adapters/speculators/training.py)
+    # default empty: (batch, context) shapes of the benchmark whose timed pass does not compile on a CPU host,
+    # each with why (left out of the CPU sweep; not the implementation's maths)
+    cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]]
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """Why this adapter's environment is missing here, so its lane cannot run (one line); default None:
+        it runs in the project's environment."""
+        ...
 
     @classmethod
     def version(cls) -> str | None:
@@ -151,7 +185,7 @@ class DraftAdapter(Protocol):
         ...
 
     def unsupported(self, cfg: Eagle3Config) -> str | None:
-        """Why this implementation cannot even express `cfg`, or None."""
+        """Why this implementation cannot even express `cfg`, or None (the default)."""
         ...
 
     def fc_runs(self, cfg: Eagle3Config) -> bool:
@@ -174,3 +208,32 @@ class DraftAdapter(Protocol):
         """Load `ckpt_dir` and account for every checkpoint tensor (conformance/loading/accounting.py).
         `target`: the target's config (hidden_size, vocab_size), when known."""
         ...
+
+
+class AdapterBase:
+    """Every capability's default, given once (DraftAdapter says what each means). An adapter derives this,
+    declares what is its own (name, package, format, stages, releases, ...) and overrides what differs."""
+
+    is_server: ClassVar[bool] = False
+    is_trainer: ClassVar[bool] = False
+    default_server: ClassVar[bool] = False
+    lane: ClassVar[str] = "cpu"   # in-process in the project's environment
+    runners: ClassVar[tuple[str, ...]] = ()
+    other_formats: ClassVar[tuple[str, ...]] = ()
+    served_boundaries: ClassVar[Callable[..., dict] | None] = None
+    target_capture: ClassVar[ModuleType | None] = None
+    server_settings: ClassVar[ModuleType | None] = None
+    engine: ClassVar[ModuleType | None] = None
+    training: ClassVar[ModuleType | None] = None
+    cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]] = MappingProxyType({})
+
+    @classmethod
+    def missing(cls) -> str | None:
+        return None
+
+    @classmethod
+    def version(cls) -> str | None:
+        return installed_version(cls.package)
+
+    def unsupported(self, cfg: Eagle3Config) -> str | None:
+        return None

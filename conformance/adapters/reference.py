@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from conformance.adapters.base import Drafter, TimedPass, batch_on, chain_drafter, installed_version
+from conformance.adapters.base import AdapterBase, Drafter, TimedPass, batch_on, chain_drafter
 
 from conformance.core.trace import Trace
 from conformance.checkpoints import read_config, read_weights
@@ -20,23 +20,15 @@ TIMED = ("Eagle3Reference.run(steps=1): fc + one pass over all B*L tokens",
          "TTT step 1 over all B*L tokens = run(steps=2) - run(steps=1) (the reference has no decode pass)")
 
 
-class ReferenceAdapter:
+class ReferenceAdapter(AdapterBase):
     name: ClassVar[str] = "reference"
     package: ClassVar[str | None] = None   # this project's own code
     checkpoint_format: ClassVar[str] = "speculators"
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST)
     draft_group: ClassVar[int | None] = 4   # its attention is dense over the packed batch: small groups are faster
     serving_decode: ClassVar[bool] = False
-    lane: ClassVar[str] = "cpu"   # in-process in the project's environment: the default lane
     releases: ClassVar[tuple[str, ...]] = ()   # not a package: nothing to test it against
     silent_drop: ClassVar[str | None] = "the reference's forward never reads it (reference/eagle3.py)"
-
-    @classmethod
-    def version(cls) -> str | None:
-        return installed_version(cls.package)
-
-    def unsupported(self, cfg: Eagle3Config) -> str | None:
-        return None
 
     def fc_runs(self, cfg: Eagle3Config) -> bool:
         return True

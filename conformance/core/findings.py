@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 # Problem ranks: the order problems are numbered in (the first that stops serving comes first).
 DIRECTORY, CONVERSION, LOADING, FORWARD, WIRING, SETTINGS, OTHER = range(7)
+# Each rank's area, as report.md and the chart name it (a load refusal and the weight accounting are both loading).
+AREA_OF_RANK = ("reading", "conversion", "loading", "forward", "wiring", "settings", "other")
 FIELDS = ("what", "where", "evidence", "cause", "fix")
 
 
@@ -31,4 +33,5 @@ class Problem:
         out = {"number": number, **{f: getattr(self, f) for f in FIELDS}}
         if self.also:
             out["evidence"] += "; also in: " + ", ".join(self.also)
-        return {**out, "registry_id": self.known or None, "checks": sorted(self.checks)}
+        return {**out, "area": AREA_OF_RANK[self.rank], "impl": self.impl or None, "registry_id": self.known or None,
+                "checks": sorted(self.checks)}

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from conformance.adapters import ADAPTERS, IMPLEMENTATIONS
+from conformance.adapters import ADAPTERS, IMPLEMENTATIONS, REFERENCE
 from conformance.core.trace import Trace
 from conformance.core.compare import compare_traces
 from conformance.checkpoints import WEIGHTS_FILE
@@ -101,10 +101,10 @@ def run(shape: str, workdir: Path) -> dict:
     lap("write weights")
     batch = make_batch(cfg, LENGTHS, torch.Generator().manual_seed(SEED + 1))
 
-    expected = ADAPTERS["reference"]().load(dirs["speculators"], torch.bfloat16).run(batch)
+    expected = ADAPTERS[REFERENCE]().load(dirs["speculators"], torch.bfloat16).run(batch)
     lap("reference bf16")
     model = reference_fp32(dirs["speculators"], cfg)
-    precise = Trace("reference", torch.float32, model.run(batch), [{}], claimed_stages=expected.claimed_stages,
+    precise = Trace(REFERENCE, torch.float32, model.run(batch), [{}], claimed_stages=expected.claimed_stages,
                     num_layers=cfg.num_hidden_layers)
     del model
     lap("reference fp32 (noise floor)")

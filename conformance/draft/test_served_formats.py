@@ -48,7 +48,7 @@ def known_for(impl: str, fmt: str, case) -> tuple[Known, ...]:
 
 def params():
     for impl in ALL_IMPLEMENTATIONS:
-        for fmt in getattr(ADAPTERS[impl], "other_formats", ()):
+        for fmt in ADAPTERS[impl].other_formats:
             for case in STEP0_CASES:
                 yield known_param(impl, fmt, case, id=f"{impl}-{fmt}-{case.id}", known=known_for(impl, fmt, case))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from conformance.adapters import DEFAULT_SERVER
 from conformance.core.registry import Known, applicable
 from fixtures.cases import CASES_BY_ID
 
@@ -32,5 +33,5 @@ TREE_CASES = (
 
 
 def known_tree(case: TreeCase) -> tuple[Known, ...]:
-    """The registry's tree entries for SGLang's tree draft of this case (within its steps)."""
-    return tuple(e for e in applicable("tree", "sglang", case.names()) if e.step < case.steps)
+    """The registry's tree entries for SGLang's tree draft (the default server's) of this case (within its steps)."""
+    return tuple(e for e in applicable("tree", DEFAULT_SERVER, case.names()) if e.step < case.steps)

@@ -13,19 +13,21 @@ from pathlib import Path
 
 import torch
 
-from conformance.adapters import ADAPTERS
-from conformance.adapters.sglang.engine import Served, ServedEngine, read_events
+from conformance.adapters import ADAPTERS, DEFAULT_SERVER, REFERENCE
 from conformance.engine.scenarios import EngineGroup, Prompt, Scenario
 from conformance.engine.served import ServedRound, served_rounds
 from conformance.engine.simulate import ReferenceRound, chain_rounds, tree_rounds
 from conformance.acceptance.trained_draft import TrainedDraft
 from reference.tree import Attends
 
+# The default server's real serving engine (SGLang's Engine: conformance/adapters/sglang/engine.py).
+ENGINE = ADAPTERS[DEFAULT_SERVER].engine
+
 
 @dataclass
 class Request:
     prompt: Prompt
-    served: Served
+    served: ENGINE.Served
     rounds: list[ServedRound]
 
     @property
@@ -57,7 +59,7 @@ class EngineLane:
         self._chains: dict[tuple, list[ReferenceRound]] = {}
         self._greedy: dict[tuple, list[int]] = {}
         self._target = self._reference = None
-        self._live: ServedEngine | None = None
+        self._live: ENGINE.ServedEngine | None = None
         self.memo: dict = {}          # derived results (findings), computed once per session
         self.recorded: set = set()    # report rows already written (per engine group)
         self.reference_seconds = 0.0
@@ -72,9 +74,9 @@ class EngineLane:
     def _serve(self, group: EngineGroup) -> GroupRun:
         run = GroupRun(group)
         capture = self.root / group.id
-        outputs: list[tuple[Scenario, list[tuple[Prompt, Served]], float]] = []
+        outputs: list[tuple[Scenario, list[tuple[Prompt, ENGINE.Served]], float]] = []
         try:
-            engine = ServedEngine(self.trained.target_dir, self.trained.checkpoints["sglang"], capture,
+            engine = ENGINE.ServedEngine(self.trained.target_dir, self.trained.checkpoints["sglang"], capture,
                                   group.server_args(), env=group.env, fault_yaml=group.fault_yaml)
         except Exception as exc:   # SGLang's own words, on one line
             run.error = f"engine {group.id} did not start: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
@@ -96,7 +98,7 @@ class EngineLane:
         finally:
             engine.shutdown()
             self._live = None
-        rounds = served_rounds(read_events(capture), group.topk)
+        rounds = served_rounds(ENGINE.read_events(capture), group.topk)
         for scenario, served, seconds in outputs:
             requests = [Request(p, s, rounds.get(s.meta["id"], [])) for p, s in served]
             run.scenarios[scenario.id] = ScenarioRun(scenario, requests, seconds)
@@ -117,7 +119,7 @@ class EngineLane:
     def reference(self):
         """The reference draft (speculators-format checkpoint, training semantics), fp32."""
         if self._reference is None:
-            self._reference = ADAPTERS["reference"]().load(self.trained.checkpoints["speculators"], torch.float32)
+            self._reference = ADAPTERS[REFERENCE]().load(self.trained.checkpoints["speculators"], torch.float32)
         return self._reference
 
     def greedy(self, prompt: Prompt, new_tokens: int) -> list[int]:

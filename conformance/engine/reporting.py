@@ -1,10 +1,9 @@
 """The engine lane's report rows (conformance/core/sections.py Section.ENGINE*)."""
 from __future__ import annotations
 
-from conformance.adapters.sglang.engine_shims import SHIMS
 from conformance.core.sections import Recorder, Section
 from conformance.engine.findings import RequestFinding
-from conformance.engine.lane import GroupRun
+from conformance.engine.lane import ENGINE, GroupRun
 
 
 def record_group(report: Recorder, run: GroupRun, recorded: set) -> None:
@@ -30,7 +29,7 @@ def record_group(report: Recorder, run: GroupRun, recorded: set) -> None:
                        "serving s": {s.scenario.id: round(s.seconds, 1) for s in run.scenarios.values()}})
     if "shims" not in recorded and run.shims:
         recorded.add("shims")
-        for name, what in SHIMS.items():
+        for name, what in ENGINE.SHIMS.items():
             report.add_row(Section.ENGINE_SHIMS, {"shim": name, "what it changes": what,
                                                   "in the scheduler": run.shims.get(name, "server argument")})
 

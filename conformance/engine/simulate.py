@@ -84,7 +84,7 @@ def tree_round(ref, target: GreedyTarget, context: torch.Tensor, aux_ids: tuple[
                num_draft_tokens: int, attends: Attends) -> ReferenceRound:
     """The reference tree (attends: `ancestors` the exact tree; row_slot_kv SGLang's KV columns) drafted on
     `context`, and what greedy verification accepts of it."""
-    from conformance.adapters.reference import ReferenceAdapter
+    from conformance.adapters import ADAPTERS, REFERENCE
 
     trace = draft_tree(ref, draft_batch(target, context, aux_ids), steps, topk, num_draft_tokens, attends)
     last = trace[-1]
@@ -92,7 +92,7 @@ def tree_round(ref, target: GreedyTarget, context: torch.Tensor, aux_ids: tuple[
     accepted = tree_accepted(target, context, tokens, tree_parent_nodes(index, parents, topk))
     name = "reference tree" if attends is ancestors else "reference tree with SGLang's row-slot KV"
     return ReferenceRound(context, Trace(impl=name, dtype=ref.dtype, steps=trace, rows=[{} for _ in trace],
-                                         claimed_stages=ReferenceAdapter.claimed_stages,
+                                         claimed_stages=ADAPTERS[REFERENCE].claimed_stages,
                                          num_layers=ref.cfg.num_hidden_layers), tokens, accepted)
 
 

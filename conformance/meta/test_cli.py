@@ -26,7 +26,7 @@ from packaging.version import Version
 
 from conformance import cli
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import lane_of, supported_range
+from conformance.adapters.base import supported_range
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 
@@ -113,8 +113,8 @@ def test_pytest_knows_every_option_the_entry_point_passes(pytestconfig):
 
 # ---------------------------------------------------------------- refusals
 
-TESTED = [a for a in ADAPTERS.values() if a.package and a.releases and lane_of(a) == cli.DEFAULT_LANE]
-OWN_LANE = [a for a in ADAPTERS.values() if a.package and lane_of(a) != cli.DEFAULT_LANE]
+TESTED = [a for a in ADAPTERS.values() if a.package and a.releases and a.lane == cli.DEFAULT_LANE]
+OWN_LANE = [a for a in ADAPTERS.values() if a.package and a.lane != cli.DEFAULT_LANE]
 
 
 def pretend(monkeypatch, adapter, version: str | None) -> None:

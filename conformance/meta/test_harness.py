@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conformance.core import stages
-from conformance.adapters import ADAPTERS, IMPLEMENTATIONS, REFERENCE
-from conformance.adapters.base import DraftAdapter, LoadedDraft
+from conformance.adapters import ADAPTERS, DEFAULT_SERVER, DEFAULT_TRAINER, IMPLEMENTATIONS, REFERENCE
+from conformance.adapters.base import AdapterBase, DraftAdapter, LoadedDraft
 from conformance.core.compare import compare_traces
 from conformance.core.tolerances import DTYPES
 from conformance.core.tolerances import TOLERANCES, tol_for
@@ -105,6 +105,40 @@ def test_adapter_honours_protocol(impl):
     assert adapter.checkpoint_format in FORMATS
     unknown = adapter.claimed_stages - set(stages.PRE + stages.LAYER + stages.POST)
     assert not unknown, f"{impl} claims stages that are not canonical: {sorted(unknown)}"
+
+
+def role_problems(adapters: dict) -> list[str]:
+    """What contradicts an adapter's declared role: one default server, and a server; a server's capabilities
+    (model runners, formats it serves, the boundaries it feeds, its in-process machinery) on servers only, a
+    training path on trainers only; every adapter takes its defaults from AdapterBase."""
+    out = [f"{n}: does not derive AdapterBase" for n, a in adapters.items() if not issubclass(a, AdapterBase)]
+    adapters = {n: a for n, a in adapters.items() if issubclass(a, AdapterBase)}
+    defaults = [n for n, a in adapters.items() if a.default_server]
+    out += [] if len(defaults) == 1 and adapters[defaults[0]].is_server else [f"default servers: {defaults}"]
+    for n, a in adapters.items():
+        served = [c for c in ("runners", "other_formats", "served_boundaries", "target_capture", "server_settings",
+                              "engine", "cpu_compile_fails") if getattr(a, c) != getattr(AdapterBase, c)]
+        out += [f"{n}: {served} without is_server"] if served and not a.is_server else []
+        out += [f"{n}: training without is_trainer"] if a.training is not None and not a.is_trainer else []
+    return out
+
+
+def test_adapter_roles_are_consistent():
+    assert not role_problems(ADAPTERS), role_problems(ADAPTERS)
+    assert ADAPTERS[DEFAULT_TRAINER].is_trainer and not ADAPTERS[REFERENCE].is_server and DEFAULT_SERVER != REFERENCE
+
+
+def test_planted_role_contradictions_are_named():
+    class Stray(ADAPTERS[REFERENCE]):   # the reference, claiming a server's engine and the default
+        engine = ADAPTERS[DEFAULT_SERVER].engine
+        default_server = True
+
+    class Bare:   # declares its own, no defaults
+        name = "bare"
+
+    problems = role_problems({**ADAPTERS, "stray": Stray, "bare": Bare})
+    assert "bare: does not derive AdapterBase" in problems and "stray: ['engine'] without is_server" in problems
+    assert f"default servers: {[DEFAULT_SERVER, 'stray']}" in problems, problems
 
 
 @pytest.mark.parametrize("impl", ["reference", *IMPLEMENTATIONS])

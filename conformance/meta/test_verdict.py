@@ -9,9 +9,11 @@ was not checked and the option that checks it, and with --target-config and --sg
 as trained"; bad input exits 4 with one line, and so does a --serve-with server that cannot run here.
 A tree SGLang drafts otherwise (the registry's tree entry) is a problem; a draft that does not say its
 trainer is judged against the reference, never blamed for a trainer's refusal, with the trainers that
-could have written it named. Where users run it, from a directory outside the repository and without
-pytest-xdist: pytest with the space form of --draft-checkpoint (its plugin loaded by its pytest11 entry point)
-and the entry point `eagle3-conformance check`.
+could have written it named. A flag that changes the draft SGLang builds, none of them speculative_* (an fp8
+KV cache, a rope override meant for the target, a quantization SGLang derives for the draft) is a problem
+naming the setting and the user's flag behind it. Where users run it, from a directory outside the repository
+and without pytest-xdist: pytest with the space form of --draft-checkpoint (its plugin loaded by its pytest11
+entry point) and the entry point `eagle3-conformance check`.
 The seed, from files: a draft trained on [embed, 3, 31] whose config.json was rewritten to ids SGLang
 turns into [3, 31, 59] on the real Kimi-K2.5 config is exactly that slot-by-slot problem, and the draft
 rewired as the verdict says exits 0; the seed's server flags on a user draft show the 16 -> 2 draft
@@ -33,6 +35,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from conformance.meta.test_report_story import report_contradictions
 from conformance.user.example_draft import DROPPED_TENSOR, PLANTS, write_example
 from conformance.user.servable import conversion_findings, directory_problem, served_ids
 from conformance.user.verdict import Verdict
@@ -74,14 +77,17 @@ MAKE_CHECK, PYTEST_OUTSIDE, ENTRY_POINT_OUTSIDE = "make check", "pytest outside"
 NO_XDIST = ("-p", "no:xdist")
 
 
-def run_as_user(how: str, draft: Path, args: tuple[str, ...], outside: Path) -> subprocess.CompletedProcess:
-    """The verdict on `draft` as `how` runs it; `outside`: an empty directory outside the repository."""
+def run_as_user(how: str, draft: Path, args: tuple[str, ...], report: Path,
+                outside: Path) -> subprocess.CompletedProcess:
+    """The verdict on `draft` as `how` runs it, its report in `report`; `outside`: an empty directory outside the
+    repository."""
     if how == MAKE_CHECK:
-        return run_pytest(f"--draft-checkpoint={draft}", *args)
+        return run_pytest(f"--draft-checkpoint={draft}", f"--report={report}", *args)
     outside.mkdir(parents=True)
     if how == PYTEST_OUTSIDE:
-        return run_pytest(*NO_XDIST, "-m", "cpu", "--draft-checkpoint", str(draft), *args, cwd=outside)
-    return run_pytest("check", str(draft), *args, "--report", "report", "--", *NO_XDIST, module="conformance.cli",
+        return run_pytest(*NO_XDIST, "-m", "cpu", "--draft-checkpoint", str(draft), "--report", str(report), *args,
+                          cwd=outside)
+    return run_pytest("check", str(draft), *args, "--report", str(report), "--", *NO_XDIST, module="conformance.cli",
                       cwd=outside)
 
 
@@ -160,28 +166,52 @@ ISSUE_23 += [
     Plant("entry_point_outside_the_repository", "sglang", None, 0, 0, (),
           ("--target-config", str(LLAMA), "--sglang-args", CHAIN_ARGS), how=ENTRY_POINT_OUTSIDE),
 ]
-CASES = PLANTED + CLEAN + SEED + ISSUE_23
+# Server settings that change the draft whatever the flag is called, none of them speculative_*: SGLang builds
+# the draft with the target's flags (conformance/user/settings.py, the draft SGLang builds).
+ROPE_SCALING = '{"rope_scaling": {"rope_type": "linear", "factor": 2.0}}'
+SETTINGS = [
+    Plant("kv_cache_fp8", "sglang", None, 1, 1,
+          ("the draft's KV cache stores keys and values in torch.float8_e4m3fn",
+           "server setting: kv_cache_dtype (from --kv-cache-dtype)", "sglang/srt/model_executor/model_runner.py:",
+           "fix:      drop --kv-cache-dtype"),
+          (f"--target-config={LLAMA}", f"--sglang-args={CHAIN_ARGS} --kv-cache-dtype fp8_e4m3")),
+    Plant("rope_override_reaches_the_draft", "sglang", None, 1, 1,
+          ("the draft's config is served otherwise (rope_parameters.rope_type, rope_parameters.factor)",
+           "RotaryEmbedding -> LinearScalingRotaryEmbedding", "sglang/srt/configs/model_config.py:",
+           "fix:      drop --json-model-override-args"),
+          (f"--target-config={LLAMA}", f"--sglang-args={CHAIN_ARGS} --json-model-override-args '{ROPE_SCALING}'")),
+    Plant("quantization_derived_for_the_draft", "sglang", None, 1, 1,
+          ("the draft's weights are quantized at load (fp8)",
+           "server setting: speculative_draft_model_quantization (from --quantization)",
+           "sglang/srt/arg_groups/serving_hook.py:", "give --speculative-draft-model-quantization explicitly"),
+          (f"--target-config={LLAMA}", f"--sglang-args={CHAIN_ARGS} --quantization fp8")),
+]
+CASES = PLANTED + CLEAN + SEED + ISSUE_23 + SETTINGS
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Future]:
-    """Every case's run, started at once, WORKERS at a time: (CompletedProcess, seconds)."""
+def runs(tmp_path_factory, request) -> dict[str, Future]:
+    """Every selected case's run, started at once, WORKERS at a time: (CompletedProcess, seconds)."""
     root = tmp_path_factory.mktemp("verdict")
     pool = ThreadPoolExecutor(WORKERS)
 
     def run(case: Plant, draft: Path):
         start = time.perf_counter()
-        result = run_as_user(case.how, draft, case.args, root / f"{case.id}-cwd")
-        return result, time.perf_counter() - start
+        report = root / case.id / "report"
+        result = run_as_user(case.how, draft, case.args, report, root / f"{case.id}-cwd")
+        return result, time.perf_counter() - start, report
 
     # The drafts are written here, one after the other: only the subprocesses run in threads (a first import
     # of a transformers class from two threads at once can fail inside its lazy module).
+    selected = {item.callspec.params["case"].id for item in request.session.items
+                if getattr(item, "function", None) is test_the_verdict_names_the_problem}
+    cases = [case for case in CASES if case.id in selected]   # `-k` runs only what it selects
     drafts = {}
-    for case in CASES:
+    for case in cases:
         drafts[case.id], _, _ = write_example(root / case.id, case.fmt, plant=case.plant, knobs=dict(case.knobs))
         if case.eagle_ids is not None:
             write_eagle_ids(drafts[case.id], case.eagle_ids)
-    futures = {case.id: pool.submit(run, case, drafts[case.id]) for case in CASES}
+    futures = {case.id: pool.submit(run, case, drafts[case.id]) for case in cases}
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
 
@@ -199,10 +229,11 @@ def verdict_block(stdout: str) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_the_verdict_names_the_problem(case, runs):
-    result, seconds = runs[case.id].result()
+    result, seconds, report = runs[case.id].result()
     out = result.stdout + result.stderr
     assert result.returncode == case.exit, \
         f"exit {result.returncode}, expected {case.exit} ({seconds:.0f} s):\n{out[-6000:]}"
+    assert not (found := report_contradictions(report)), "report.md or the chart says otherwise:\n" + "\n".join(found)
     heads = HEADLINE.findall(result.stdout)
     assert len(heads) == 1, f"expected one verdict line:\n{out[-6000:]}"
     block = verdict_block(result.stdout)

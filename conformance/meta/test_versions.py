@@ -12,7 +12,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import lane_of, supported_range
+from conformance.adapters.base import supported_range
 from conformance.core import registry
 from conformance.session import support_matrix
 from conformance.versions import matrix
@@ -48,7 +48,7 @@ def test_every_adapter_release_is_in_the_matrix_and_in_its_range():
     for adapter in ADAPTERS.values():
         mine = [r.version for r in releases if r.package == adapter.package]
         # The CPU lane's implementations are the matrix's; one with its own lane (vLLM) is tested there.
-        assert mine == (list(adapter.releases) if lane_of(adapter) == "cpu" and adapter.package else [])
+        assert mine == (list(adapter.releases) if adapter.lane == "cpu" and adapter.package else [])
         if adapter.releases:
             spec = SpecifierSet(supported_range(adapter))
             assert all(v in spec for v in adapter.releases)

@@ -21,18 +21,17 @@ import pytest
 import torch
 
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import lane_of
 from conformance.adapters.vllm.process import WORKER
 from conformance.core.compare import compare_traces
 from fixtures.cases import CASES_BY_ID
 
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 
-OWN_LANE = [name for name, adapter in ADAPTERS.items() if lane_of(adapter) != "cpu"]
+OWN_LANE = [name for name, adapter in ADAPTERS.items() if adapter.lane != "cpu"]
 CASE = CASES_BY_ID["gqa"]
 
 
-@pytest.mark.parametrize("impl", [name for name in OWN_LANE if hasattr(ADAPTERS[name], "served_boundaries")])
+@pytest.mark.parametrize("impl", [name for name in OWN_LANE if ADAPTERS[name].served_boundaries is not None])
 @pytest.mark.parametrize("plant", ["kv_write_next_slot", "null_block"])
 def test_a_planted_harness_fault_shows_at_attention(impl, plant, drafts, repro):
     adapter = ADAPTERS[impl]()
@@ -71,13 +70,13 @@ def test_an_own_lane_test_leaves_the_default_lane(missing, monkeypatch, tmp_path
 
     if not OWN_LANE:
         pytest.skip("no adapter has a lane of its own")
-    impl, default = OWN_LANE[0], next(n for n, a in ADAPTERS.items() if lane_of(a) == "cpu")
+    impl, default = OWN_LANE[0], next(n for n, a in ADAPTERS.items() if a.lane == "cpu")
     monkeypatch.setattr(ADAPTERS[impl], "missing", classmethod(lambda cls: "planted: environment missing"
                                                                if missing else None))
     config = SimpleNamespace(lines=[], addinivalue_line=lambda name, line: config.lines.append(line))
     own, other = StandInItem(impl), StandInItem(default)
     own_lanes(config, [own, other])
-    lane = lane_of(ADAPTERS[impl])
+    lane = ADAPTERS[impl].lane
     assert "cpu" not in own.names() and lane in own.names(), own.names()   # -m cpu never selects it
     assert other.names() == {"cpu", "meta"}, other.names()                 # the default lane is untouched
     assert any(line.startswith(f"{lane}:") for line in config.lines)        # registered (--strict-markers)
@@ -85,7 +84,7 @@ def test_an_own_lane_test_leaves_the_default_lane(missing, monkeypatch, tmp_path
     assert [m.kwargs["reason"] for m in skips] == (["planted: environment missing"] if missing else [])
 
 
-@pytest.mark.parametrize("impl", [name for name in OWN_LANE if hasattr(ADAPTERS[name], "served_boundaries")])
+@pytest.mark.parametrize("impl", [name for name in OWN_LANE if ADAPTERS[name].served_boundaries is not None])
 def test_the_observed_capture_follows_the_target_class(impl, wiring, tmp_path, repro):
     """The served list of a class that runs here is read off its forward, not from the ids: a planted runner that
     hands the target every id plus one (worker_capture.py, plant "ids_one_deeper") moves what the forward

@@ -15,11 +15,11 @@ import torch
 
 import pytest
 
-from conformance.adapters import ADAPTERS
+from conformance.adapters import ADAPTERS, REFERENCE
 from conformance.adapters.base import ServedBatch
 from conformance.core.trace import Trace, Unsupported
 from conformance.core.compare import Comparison, compare_traces
-from conformance.core.common import first_line
+from conformance.core.common import first_line, remembered
 from conformance.core.matching import KnownDivergenceHit  # noqa: F401  (tests import it from here)
 from conformance.core.areas import Divergence, Match, Refusal
 from conformance.core.matching import judge, known_param, settle
@@ -65,29 +65,25 @@ class DraftStore:
 
     def trace(self, impl: str, case: DraftCase, dtype: torch.dtype, steps: int = 1,
               teacher_forced: bool = True) -> Trace:
-        """Load `impl` on the case's checkpoint (its own format) and run it; raises LoadFailed."""
+        """Load `impl` on the case's checkpoint (its own format) and run it, once per key; raises LoadFailed."""
         key = (impl, case.id, dtype, steps, teacher_forced)
-        if key not in self._traces:
-            adapter = ADAPTERS[impl]()
-            ckpt = self.checkpoint(case)[adapter.checkpoint_format]
-            try:
-                loaded = adapter.load(ckpt, dtype, dict(case.sglang_args), device=self.device)
-            except Exception as exc:  # the implementation's loader: keep its own words, on one line
-                line = first_line(exc).replace(str(self.root) + "/", "")
-                where = ckpt.relative_to(self.root)   # no session temp path: reports stay identical run to run
-                error = type(exc).__name__
-                self._traces[key] = LoadFailed(f"{impl} could not load {where}: {error}: {line}", error, line)
-            else:
-                try:
-                    self._traces[key] = loaded.run(self.batch(case, steps, teacher_forced), steps).on_cpu()
-                except Unsupported as exc:   # the batch asks for what the implementation cannot express
-                    self._traces[key] = exc
-        result = self._traces[key]
-        if isinstance(result, LoadFailed):
-            raise result
-        if isinstance(result, Unsupported):
-            pytest.skip(f"{impl} [{case.id}]: {result}")
-        return result
+        try:
+            return remembered(self._traces, key, lambda: self._run(impl, case, dtype, steps, teacher_forced),
+                              (LoadFailed, Unsupported))
+        except Unsupported as exc:   # the batch asks for what the implementation cannot express
+            pytest.skip(f"{impl} [{case.id}]: {exc}")
+
+    def _run(self, impl: str, case: DraftCase, dtype: torch.dtype, steps: int, teacher_forced: bool) -> Trace:
+        adapter = ADAPTERS[impl]()
+        ckpt = self.checkpoint(case)[adapter.checkpoint_format]
+        try:
+            loaded = adapter.load(ckpt, dtype, dict(case.sglang_args), device=self.device)
+        except Exception as exc:  # the implementation's loader: keep its own words, on one line
+            line = first_line(exc).replace(str(self.root) + "/", "")
+            where = ckpt.relative_to(self.root)   # no session temp path: reports stay identical run to run
+            error = type(exc).__name__
+            raise LoadFailed(f"{impl} could not load {where}: {error}: {line}", error, line) from None
+        return loaded.run(self.batch(case, steps, teacher_forced), steps).on_cpu()
 
 
 # ---------------------------------------------------------------- one conformance check
@@ -114,8 +110,8 @@ def compare_with_reference(drafts: DraftStore, impl: str, case: DraftCase, dtype
     raises LoadFailed."""
     dtype = DTYPES[dtype_name]
     actual = drafts.trace(impl, case, dtype, steps, teacher_forced)
-    same = drafts.trace("reference", case, dtype, steps, teacher_forced)
-    precise = drafts.trace("reference", case, drafts.precise, steps, teacher_forced)
+    same = drafts.trace(REFERENCE, case, dtype, steps, teacher_forced)
+    precise = drafts.trace(REFERENCE, case, drafts.precise, steps, teacher_forced)
     expected = precise if AGAINST[dtype] == torch.float64 else same
     return compare_traces(actual, expected, case.id, precise=precise, same=same)
 

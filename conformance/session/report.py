@@ -88,7 +88,8 @@ class Report:
                     for s in Section if any(s.value in p["sections"] for p in every)}
         verdict = next((p["verdict"] for p in every if p["verdict"]), None)
         return {"tool": "eagle3-conformance", "versions": v, **({"verdict": verdict} if verdict else {}),
-                "comparisons": comparisons, "support_matrix": support_matrix(comparisons, v), "sections": sections}
+                "comparisons": comparisons, "support_matrix": support_matrix(comparisons, v, verdict),
+                "sections": sections}
 
     def to_markdown(self) -> str:
         return report_render.markdown(self.to_json())
@@ -119,11 +120,13 @@ def _comparison(e: Entry) -> dict:
         return item
     first = e.comparison.first_divergence
     if first is not None:
+        # How the allowed error was made there (the tolerance formula): report.md's details, not the headline.
         item["first_divergence"] = {"step": first.step, "stage": first.stage, "verdict": first.verdict,
-                                    "max_abs": _num(first.max_abs), "max_rel": _num(first.max_rel)}
+                                    "max_abs": _num(first.max_abs), "max_rel": _num(first.max_rel),
+                                    "allowed": _num(first.allowed), "bound": first.bound}
     item["stages"] = [
         {"step": r.step, "stage": r.stage, "verdict": r.verdict, "max_abs": _num(r.max_abs),
-         "max_rel": _num(r.max_rel), "abs_index": r.abs_index, "rel_index": r.rel_index,
+         "max_rel": _num(r.max_rel), "excess": _num(r.excess), "abs_index": r.abs_index, "rel_index": r.rel_index,
          "mismatched": r.mismatched, "numel": r.numel,
          "atol": None if r.tol is None else r.tol.atol, "rtol": None if r.tol is None else r.tol.rtol,
          "detail": r.detail}
@@ -132,24 +135,46 @@ def _comparison(e: Entry) -> dict:
     return item
 
 
-def support_matrix(comparisons: list[dict], v: dict[str, str]) -> list[dict]:
-    """Per case, per implementation: the worst outcome the tests found over dtypes and modes."""
+def support_matrix(comparisons: list[dict], v: dict[str, str], verdict: dict | None = None) -> list[dict]:
+    """Per case, per implementation: the worst outcome the tests found over dtypes and modes; on a user's
+    draft, each cell also names the verdict's problems that concern it (problem_cells)."""
     cells: dict[str, dict[str, str]] = {}
     for c in comparisons:
         row = cells.setdefault(c["case"], {})
         first = c["first_divergence"]
         if c["outcome"] == FAIL:
-            verdict = "UNEXPECTED FAILURE"
+            cell = "UNEXPECTED FAILURE"
         elif c["outcome"] == KNOWN:
-            verdict = ("diverges: load" if first is None or first["stage"] == "load"
-                       else f"diverges: step {first['step']} `{first['stage']}`")
+            cell = ("diverges: load" if first is None or first["stage"] == "load"
+                    else f"diverges: step {first['step']} `{first['stage']}`")
         else:
-            verdict = "safe"
-        if _severity(verdict) > _severity(row.get(c["impl"])):
-            row[c["impl"]] = verdict
+            cell = "safe"
+        if _severity(cell) > _severity(row.get(c["impl"])):
+            row[c["impl"]] = cell
     impls = sorted({c["impl"] for c in comparisons})
-    columns = {impl: f"{impl} {v.get(getattr(ADAPTERS.get(impl), 'package', None), '?')}" for impl in impls}
+    for (case, impl), problems in problem_cells(comparisons, verdict, impls).items():
+        found = cells[case].get(impl, "not run")
+        cells[case][impl] = ", ".join(problems) + ("" if found in ("safe", "not run") else f": {found}")
+    columns = {impl: f"{impl} {v.get(ADAPTERS[impl].package if impl in ADAPTERS else None, '?')}" for impl in impls}
     return [{"case": case, **{columns[i]: row.get(i, "not run") for i in impls}} for case, row in cells.items()]
+
+
+def problem_cells(comparisons: list[dict], verdict: dict | None, impls: list[str]) -> dict[tuple[str, str], list]:
+    """(case, implementation) -> "problem N (area)" for each of the verdict's problems that concerns it: the
+    cases whose comparisons found it (every case when none did: wiring, settings, reading), in its
+    implementation's column, else in the servers' columns (a problem of serving names no implementation),
+    else in every column."""
+    out: dict[tuple[str, str], list] = {}
+    cases = list(dict.fromkeys(c["case"] for c in comparisons))
+    servers = [i for i in impls if getattr(ADAPTERS.get(i), "serving_decode", False)]
+    for p in (verdict or {}).get("problems", ()):
+        found_by = [c["case"] for c in comparisons if c["nodeid"] in p["checks"]]
+        columns = [p["impl"]] if p.get("impl") in impls else servers or impls
+        label = f"problem {p['number']} ({p['area']}{', known' if p['registry_id'] else ''})"
+        for case in dict.fromkeys(found_by or cases):
+            for impl in columns:
+                out.setdefault((case, impl), []).append(label)
+    return out
 
 
 def _severity(verdict: str | None) -> int:

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import os
 import tempfile
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from conformance.core.compare import ABSENT, DIVERGED, MISSING
 from conformance.core.sections import ACCEPT_CHART_FILE, ACCEPT_COLUMNS, ACCEPT_SECTION, FAIL, KNOWN, PASS
 from conformance.core.stages import stage_kind, stage_names
 
 CHART_FILE = "stage_error.png"
-CHART_FLOOR = 1e-12   # exact stages are drawn here on the log scale
-Summary = dict[tuple[str, str], dict[tuple[int, str], tuple[float | None, float | None, int]]]
+Summary = dict[tuple[str, str], dict[tuple[int, str], "StageRow"]]
+
+
+class StageRow(NamedTuple):
+    """One stage of one pair and dtype, over the cases: the largest errors, and in how many cases it diverged."""
+
+    max_abs: float | None
+    max_rel: float | None
+    excess: float | None     # the largest error / allowed error (1: the tolerance; None for id stages)
+    diverged: int
 
 
 def first_divergences(data: dict) -> list[tuple[str, ...]]:
@@ -34,25 +45,34 @@ def first_divergences(data: dict) -> list[tuple[str, ...]]:
     return rows
 
 
+def charted(data: dict) -> list[dict]:
+    """The comparisons the per-stage tables and the chart show: on a user's draft every one (a known divergence
+    is a problem of its verdict); in the built-in matrix not the known divergences (listed on their own), so
+    that one case's registered divergence does not hide how the other cases conform."""
+    return [c for c in data["comparisons"] if c["stages"] and (data.get("verdict") or c["outcome"] != KNOWN)]
+
+
 def stage_summary(data: dict) -> Summary:
-    """(pair, dtype) -> (step, stage) -> (max abs, max rel, cases diverged) over all comparisons that are
-    not known divergences (those are listed on their own), in forward order."""
+    """(pair, dtype) -> (step, stage) -> StageRow over the charted comparisons, in forward order."""
     out: Summary = {}
-    for c in data["comparisons"]:
-        if not c["stages"] or c["outcome"] == KNOWN:
-            continue
+    for c in charted(data):
         table = out.setdefault((f"{c['impl']} vs {c['against']}", c["dtype"]), {})
         for r in c["stages"]:
             key, failed = (r["step"], r["stage"]), int(r["verdict"] in (DIVERGED, MISSING))
-            a, m, n = table.get(key, (None, None, 0))
+            a, m, x, n = table.get(key, StageRow(None, None, None, 0))
             if r["verdict"] == ABSENT or r["max_abs"] is None:
-                table[key] = (a, m, n + failed)
+                table[key] = StageRow(a, m, x, n + failed)
             else:
-                table[key] = (max(a or 0.0, r["max_abs"]), max(m or 0.0, r["max_rel"]), n + failed)
+                table[key] = StageRow(max(a or 0.0, r["max_abs"]), max(m or 0.0, r["max_rel"]),
+                                      _max(x, r.get("excess")), n + failed)
     layers = 1 + max((int(stage.split(".")[1]) for t in out.values() for _, stage in t if stage.startswith("layers.")),
                      default=0)
     order = {name: i for i, name in enumerate(stage_names(layers))}
     return {key: dict(sorted(t.items(), key=lambda kv: (kv[0][0], order[kv[0][1]]))) for key, t in out.items()}
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return a if b is None else b if a is None else max(a, b)
 
 
 def run_notes(data: dict) -> list[dict]:
@@ -75,40 +95,114 @@ def run_notes(data: dict) -> list[dict]:
 
 
 def markdown(data: dict) -> str:
-    comparisons = data["comparisons"]
-    n = len(comparisons)
-    fails = sum(c["outcome"] == FAIL for c in comparisons)
-    known = sum(c["outcome"] == KNOWN for c in comparisons)
+    """The verdict first (on a user's draft), then what agrees with it area by area, then the tables."""
     md = ["# EAGLE-3 conformance report", ""]
     if data.get("verdict"):   # a user's draft: the answer first, exactly as the terminal shows it
         md += ["## Verdict", "", "```", *verdict_lines(data["verdict"]), "```", ""]
-    md += [f"{n} comparisons: {n - fails - known} conform, {known} known divergences, {fails} unexpected failures.", "",
-          "Versions: " + ", ".join(f"{k} {val}" for k, val in data["versions"].items()), "",
-          "## First divergences", ""]
-    first = first_divergences(data)
-    if first:
-        md += table(["outcome", "pair", "case", "dtype", "first divergent stage", "reason"], first)
-    else:
-        md.append("None: every implementation matched the reference at every compared stage.")
+    md += ["## Summary", "", *summary_lines(data), "",
+           "Versions: " + ", ".join(f"{k} {val}" for k, val in data["versions"].items()), "",
+           "## First divergences", "", *first_divergence_lines(data)]
     if data["support_matrix"]:
         md += ["", "## Support matrix (from the tests that ran; worst outcome over dtypes and modes)", ""]
         md += _rows_table(data["support_matrix"])
-    md += ["", "## Per step and stage, max error over all cases (known divergences excluded)", "",
-           f"![per-stage error per implementation]({CHART_FILE})", ""]
-    for (pair, dtype), stages in stage_summary(data).items():
-        md += [f"### {pair}, {dtype}", ""]
-        md += table(["step", "stage", "max abs", "max rel", "cases diverged"],
-                    [(step, stage, "absent" if a is None else f"{a:.3e}", "" if m is None else f"{m:.3e}", cnt or "")
-                     for (step, stage), (a, m, cnt) in stages.items()])
-        md.append("")
-    notes = run_notes(data)
-    if notes:
-        md += ["## How each implementation ran", "", *_rows_table(notes), ""]
+    if details := detail_lines(data):
+        md += ["", "## Details", "", *details]
+    md.append("")
     for name, rows in data["sections"].items():
         md += [f"## {name}", "", *_rows_table(rows), ""]
         if name == ACCEPT_SECTION:
             md += [f"![accept length per K: predicted, measured, simulated]({ACCEPT_CHART_FILE})", ""]
+    notes = run_notes(data)
+    if notes:
+        md += ["## How each implementation ran", "", *_rows_table(notes), ""]
+    which = "every comparison" if data.get("verdict") else "known divergences excluded"
+    md += [f"## Per step and stage, max error over all cases ({which})", "",
+           f"![per-stage error / allowed error per implementation pair]({CHART_FILE})", ""]
+    for (pair, dtype), stages in stage_summary(data).items():
+        md += [f"### {pair}, {dtype}", ""]
+        md += table(["step", "stage", "max abs", "max rel", "err/allowed", "cases diverged"],
+                    [(step, stage, "absent" if r.max_abs is None else f"{r.max_abs:.3e}",
+                      "" if r.max_rel is None else f"{r.max_rel:.3e}", "" if r.excess is None else f"{r.excess:.3g}",
+                      r.diverged or "") for (step, stage), r in stages.items()])
+        md.append("")
     return "\n".join(md) + "\n"
+
+
+def summary_lines(data: dict) -> list[str]:
+    """The counts: on a user's draft the verdict's problems of every area first (a registered cause is a known
+    divergence), what was not checked, then the forward comparisons, named as the forward's alone."""
+    comparisons = data["comparisons"]
+    n = len(comparisons)
+    fails = sum(c["outcome"] == FAIL for c in comparisons)
+    known = sum(c["outcome"] == KNOWN for c in comparisons)
+    forward = f"{n} comparisons: {n - fails - known} conform, {known} known divergences, {fails} unexpected failures."
+    v = data.get("verdict")
+    if not v:
+        return [forward]
+    lines = [f"**{v['outcome']}**: {problem_tally(v['problems'])}."]
+    if v["not_checked"]:
+        lines.append("Not checked: " + ", ".join(f"{x['what']} ({x['how']})" for x in v["not_checked"]) + ".")
+    return [*lines, f"The forward, stage by stage against the reference: {forward}"]
+
+
+def problem_tally(problems: list[dict]) -> str:
+    """"2 problems, by area: wiring 1 (problem 1); settings 1 (problem 2); 1 known (...), 1 not registered"."""
+    if not problems:
+        return "no problem in any area that was checked"
+    by_area: dict[str, list[int]] = {}
+    for p in problems:
+        by_area.setdefault(p["area"], []).append(p["number"])
+    areas = "; ".join(f"{area} {len(ns)} (problem{'' if len(ns) == 1 else 's'} {', '.join(map(str, ns))})"
+                      for area, ns in by_area.items())
+    known = sum(bool(p["registry_id"]) for p in problems)
+    return f"{_plural(len(problems), 'problem')}, by area: {areas}; {known} known (a registered cause), " \
+           f"{len(problems) - known} not registered"
+
+
+def _known(problem: dict) -> str:
+    return "known" if problem["registry_id"] else "not registered"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def first_divergence_lines(data: dict) -> list[str]:
+    """Where each problem of the verdict first departs (every area), then the comparisons that did not pass."""
+    v, first = data.get("verdict"), first_divergences(data)
+    lines = []
+    if v and v["problems"]:
+        lines += table(["problem", "area", "cause", "implementation", "where it first departs"],
+                       [(p["number"], p["area"], _known(p), p.get("impl") or "",
+                         p["where"]) for p in v["problems"]])
+        if first:
+            lines += ["", "The forward comparisons behind them:", ""]
+    if first:
+        lines += table(["outcome", "pair", "case", "dtype", "first divergent stage", "reason"], first)
+    if not lines:
+        lines.append("None: no check that ran found a problem." if v else
+                     "None: every implementation matched the reference at every compared stage.")
+    return lines
+
+
+def detail_lines(data: dict) -> list[str]:
+    """What the headline leaves out: each problem's registry entry and the checks that found it, and how the
+    allowed error was made at each first divergence (the tolerance formula)."""
+    lines = []
+    problems = (data.get("verdict") or {}).get("problems", ())
+    if problems:
+        lines += table(["problem", "area", "registry entry (docs/registry.md)", "found by"],
+                       [(p["number"], p["area"], p["registry_id"] or "none: not a registered divergence",
+                         ", ".join(p["checks"])) for p in problems])
+    bounds = [(f"{c['impl']} vs {c['against']}", c["case"], c["dtype"], f"step {f['step']} `{f['stage']}`",
+               f"{f['max_abs']:.3e}", "" if f["allowed"] is None else f"{f['allowed']:.3e}", f["bound"])
+              for c in data["comparisons"] if (f := c["first_divergence"]) and f.get("bound")]
+    if bounds:
+        lines += [*([""] if lines else []), "The allowed error at each first divergence (the error model of "
+                  "conformance/core/tolerances.py):", "",
+                  *table(["pair", "case", "dtype", "first divergent stage", "max abs", "allowed there",
+                          "allowed error"], bounds)]
+    return lines
 
 
 VERDICT_FIELDS = ("where", "evidence", "cause", "fix")
@@ -141,7 +235,7 @@ def terminal_lines(data: dict) -> list[str]:
     for (pair, dtype), stages in stage_summary(data).items():
         lines.append(f"{pair} [{dtype}]: max over cases")
         lines.append(f"  {'step':>4}  {'stage':<28} {'max_abs':>10} {'max_rel':>10}  diverged")
-        for (step, stage), (a, m, n) in stages.items():
+        for (step, stage), (a, m, _, n) in stages.items():
             fa = "-" if a is None else f"{a:.3e}"
             fm = "-" if m is None else f"{m:.3e}"
             lines.append(f"  {step:>4}  {stage:<28} {fa:>10} {fm:>10}  {n or ''}")
@@ -167,41 +261,125 @@ def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+# The per-stage chart: error / allowed error, so that the tolerance is the same line (1) at every stage and dtype.
+RATIO_FLOOR, RATIO_CEILING = 1e-6, 1e4   # an exact stage is drawn at the floor, a missing one at the ceiling
+DIVERGED_COLOUR, DOWNSTREAM_COLOUR = "tab:red", "tab:gray"   # reserved: a first divergence, and what comes after it
+PAIR_COLOURS = ("tab:blue", "tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:cyan", "tab:pink", "tab:olive")
+DTYPE_STYLES = {"fp32": "-", "bf16": "--"}
+OK_POINT, FIRST, AFTER = "ok", "first divergence", "downstream"
+ROW_INCHES = 0.16   # a listed problem's line under the panels
+
+
+@dataclass(frozen=True)
+class Line:
+    label: str                                         # "pair, dtype"
+    colour: str
+    style: str
+    points: tuple[tuple[int, str, float, str], ...]   # (step, stage, error/allowed as drawn, OK_POINT | FIRST | AFTER)
+
+
+@dataclass(frozen=True)
+class Mark:
+    problem: int                      # numbered as the verdict numbers it
+    text: str                         # as the chart lists it
+    at: tuple[int, str] | None        # a forward problem's first divergence, also marked on its panel
+
+
+@dataclass(frozen=True)
+class Chart:
+    title: str
+    panels: tuple[tuple[int, tuple[str, ...]], ...]   # per draft step, its stages in forward order
+    lines: tuple[Line, ...]
+    marks: tuple[Mark, ...]           # one per problem of the verdict, whatever its area
+    notes: tuple[str, ...]            # what the verdict did not check
+
+
+def chart_plan(data: dict) -> Chart:
+    """What write_chart draws, as data: per pair and dtype its line of error / allowed error per stage (a colour
+    per pair, never DIVERGED_COLOUR or DOWNSTREAM_COLOUR), the first divergence and what follows it (downstream, not a
+    recovery: drawn grey), and on a user's draft a mark for each problem of the verdict."""
+    summary = stage_summary(data)
+    colour = {pair: PAIR_COLOURS[i % len(PAIR_COLOURS)] for i, pair in enumerate(sorted({p for p, _ in summary}))}
+    lines, keys = [], {}
+    for (pair, dtype), stages in summary.items():
+        points, state = [], OK_POINT
+        for (step, stage), r in stages.items():
+            state = AFTER if state in (FIRST, AFTER) else FIRST if r.diverged else OK_POINT
+            # Id stages count mismatches, not errors: they stay in the tables, not on this axis.
+            if stage_kind(stage) == "ids" or (r.excess is None and not r.diverged):
+                continue
+            y = RATIO_CEILING if r.excess is None else min(max(r.excess, RATIO_FLOOR), RATIO_CEILING)
+            points.append((step, stage, y, state))
+            keys[(step, stage)] = None
+        lines.append(Line(f"{pair}, {dtype}", colour[pair], DTYPE_STYLES.get(dtype, ":"), tuple(points)))
+    steps = sorted({step for step, _ in keys}) or [0]
+    panels = tuple((step, tuple(stage for s, stage in keys if s == step)) for step in steps)   # keys: forward order
+    v = data.get("verdict")
+    title = "error / allowed error vs the reference per stage (1: the tolerance)"
+    if not v:
+        return Chart(title, panels, tuple(lines), (), ())
+    marks = []
+    for p in v["problems"]:
+        firsts = [c["first_divergence"] for c in charted(data) if c["nodeid"] in p["checks"] and c["first_divergence"]]
+        at = next(((f["step"], f["stage"]) for f in firsts if (f["step"], f["stage"]) in keys), None)
+        marks.append(Mark(p["number"], f"{p['number']}. {p['area']}, {_known(p)}: {p['what']}", at))
+    notes = tuple(f"not checked: {x['what']} ({x['how']})" for x in v["not_checked"])
+    return Chart(f"VERDICT: {v['headline']}\n{title}", panels, tuple(lines), tuple(marks), notes)
+
+
 def write_chart(data: dict, path: Path) -> None:
-    """A PNG of max abs error per stage (log scale), one line per implementation pair and dtype,
-    one panel per draft step; a red cross where a stage diverged. Deterministic: no metadata."""
+    """A PNG of chart_plan: one panel per draft step, the tolerance drawn at 1, a red x at each line's first
+    divergence and the line grey after it; below, the verdict's problems numbered as it numbers them (a wiring
+    or settings problem has no stage, and is never a clean picture). Deterministic: no metadata."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    # Id stages count mismatches, not errors: they stay in the tables, not on this axis.
-    summary = {pair: {k: v for k, v in stages.items() if stage_kind(k[1]) != "ids"}
-               for pair, stages in stage_summary(data).items()}
-    keys = {key for stages in summary.values() for key in stages}               # (step, stage)
-    layers = 1 + max((int(stage.split(".")[1]) for _, stage in keys if stage.startswith("layers.")), default=0)
-    rank = {name: i for i, name in enumerate(stage_names(layers))}
-    steps = sorted({step for step, _ in keys}) or [0]
-    width = max(8.0, 0.22 * max((sum(1 for k in keys if k[0] == s) for s in steps), default=0))
-    fig = Figure(figsize=(width, 1.0 + 2.6 * len(steps)), dpi=100)
-    axes = fig.subplots(len(steps), 1, squeeze=False)[:, 0]
-    for ax, step in zip(axes, steps):
-        stages = sorted((st for s, st in keys if s == step), key=rank.__getitem__)
-        x = {st: i for i, st in enumerate(stages)}
-        for (pair, dtype), errors in summary.items():
-            here = [(x[st], a, n) for (s, st), (a, _, n) in errors.items() if s == step]
-            drawn = [(i, max(a, CHART_FLOOR)) for i, a, _ in here if a is not None]
-            if drawn:
-                ax.plot(*zip(*drawn), marker=".", linewidth=1, label=f"{pair}, {dtype}")
-            bad = [(i, max(a or CHART_FLOOR, CHART_FLOOR)) for i, a, n in here if n]
-            if bad:
-                ax.scatter(*zip(*bad), marker="x", color="red", zorder=3)
+    plan = chart_plan(data)
+    header = [] if not plan.marks else [f"{_plural(len(plan.marks), 'problem')} of the verdict, numbered as it "
+                                         "numbers them (a forward one also on its panel; report.md: where, evidence, "
+                                         "cause, fix):"]
+    listed = [(row, colour) for texts, colour in ((header, "black"), ([m.text for m in plan.marks], DIVERGED_COLOUR),
+                                                  (plan.notes, "black"))
+              for text in texts for row in textwrap.wrap(text, 150, subsequent_indent="   ")]
+    width = max(8.0, 0.22 * max(len(stages) for _, stages in plan.panels))
+    heights = [2.6] * len(plan.panels) + ([0.2 + ROW_INCHES * len(listed)] if listed else [])
+    fig = Figure(figsize=(width, 1.6 + sum(heights)), dpi=100)
+    axes = fig.subplots(len(heights), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    for n, (ax, (step, stages)) in enumerate(zip(axes, plan.panels)):
+        x = {stage: i for i, stage in enumerate(stages)}
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8, label="tolerance" if n == 0 else None)
+        for line in plan.lines:
+            here = [(x[st], y, state) for s, st, y, state in line.points if s == step]
+            before = [(i, y) for i, y, state in here if state != AFTER]
+            after = [(i, y) for i, y, state in here if state != OK_POINT]   # from the first divergence on
+            if before:
+                ax.plot(*zip(*before), color=line.colour, linestyle=line.style, marker=".", linewidth=1,
+                        label=line.label if n == 0 else None)
+            if len(after) > 1 or (after and not before):
+                ax.plot(*zip(*after), color=DOWNSTREAM_COLOUR, linestyle=":", marker=".", linewidth=1)
+            for i, y, state in here:
+                if state == FIRST:
+                    ax.scatter([i], [y], marker="x", color=DIVERGED_COLOUR, s=40, zorder=3)
+        for mark in plan.marks:
+            if mark.at is not None and mark.at[0] == step:
+                top = max(y for line in plan.lines for s, st, y, _ in line.points if (s, st) == mark.at)
+                ax.annotate(str(mark.problem), (x[mark.at[1]], top), xytext=(0, 6), textcoords="offset points",
+                            ha="center", color=DIVERGED_COLOUR, fontsize=8, fontweight="bold")
         ax.set_yscale("log")
-        ax.set_ylabel(f"step {step}: max abs error", fontsize=8)
+        ax.set_ylim(RATIO_FLOOR / 3, RATIO_CEILING * 30)
+        ax.set_ylabel(f"step {step}: error / allowed", fontsize=8)
         ax.set_xticks(range(len(stages)), stages, rotation=90, fontsize=6)
-    axes[0].set_title(f"max abs error vs the reference per stage (floor {CHART_FLOOR:g}; red x: diverged)", fontsize=9)
-    if summary:
-        axes[0].legend(fontsize=7)
+    fig.suptitle(f"{plan.title}\nred x: first divergence; grey dotted: downstream of it; {RATIO_FLOOR:g}: exact",
+                 fontsize=9)
+    axes[0].legend(fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=3, frameon=False)
+    if listed:
+        ax = axes[-1]
+        ax.axis("off")
+        for i, (row, colour) in enumerate(listed):
+            ax.annotate(row, (0.0, 1.0), xycoords="axes fraction", xytext=(0, -72 * ROW_INCHES * i),
+                        textcoords="offset points", va="top", ha="left", fontsize=7, color=colour)
     _save_png(fig, path)
 
 

@@ -90,6 +90,7 @@ def draft_rows(cases=ALL_CASES) -> list[dict]:
 
 
 def tree_rows() -> list[dict]:
+    from conformance.adapters import DEFAULT_SERVER
     from conformance.draft.tree_cases import TREE_CASES, known_tree
 
     def cell(_impl, case) -> str:
@@ -97,7 +98,7 @@ def tree_rows() -> list[dict]:
         return "safe" if entry is None else AREAS[entry.area].cell(entry)
 
     return [{"tree case": c.id, "draft": c.draft, "topk": c.topk, "steps": c.steps,
-             "draft tokens": c.num_draft_tokens, **per_release(cell, "sglang", c)} for c in TREE_CASES]
+             "draft tokens": c.num_draft_tokens, **per_release(cell, DEFAULT_SERVER, c)} for c in TREE_CASES]
 
 
 def wiring_rows() -> list[dict]:
@@ -118,7 +119,7 @@ def wiring_rows() -> list[dict]:
                 for where, by_key in rows.items()}
 
     per_column = {}
-    for impl in (i for i in ALL_IMPLEMENTATIONS if ADAPTERS[i].serving_decode):   # the servers
+    for impl in (i for i in ALL_IMPLEMENTATIONS if ADAPTERS[i].is_server):
         for runner in runners(impl):   # a column per model runner where it has more than one (vLLM V2, V1)
             suffix = "" if runner is None else f" ({runner.upper()} runner)"
             per_column.update({col + suffix: cell for col, cell in per_release(cells, impl, runner).items()})

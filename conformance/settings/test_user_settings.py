@@ -4,6 +4,8 @@ SGLang's own ServerArgs with the user's draft and a real target config.
 Each setting that changes what the draft computes is planted on its own and must come back as exactly
 that problem, with a cause that is a real line of the installed SGLang; the chain within the trained
 steps, at a context the draft covers, comes back clean; the seed's flags show the 16 -> 2 draft tokens.
+Flags of any name that change the draft SGLang builds are problems too; flags that build the same draft
+are none, and a read SGLang is planted to make of a harmless flag is found without naming it.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ KIMI = REAL_CONFIGS / "target" / "moonshotai--Kimi-K2.5.json"             # cont
 SEED_ARGS = "--speculative-eagle-topk 1 --speculative-num-steps 1 --speculative-num-draft-tokens 16"
 CHAIN = "--speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4"   # 3 TTT steps
 LONG = 131072
+OVERRIDE = "--json-model-override-args '{}'"
+ROPE_SCALING = '{"rope_scaling": {"rope_type": "linear", "factor": 2.0}}'
+EPS = '{"rms_norm_eps": 0.001}'
 
 
 def user_draft(root: Path, edit_config=None, **knobs) -> tuple[Path, object]:
@@ -110,6 +115,15 @@ PLANTED = (
     # The registry's tree entry, on the resolved settings: a tree SGLang drafts otherwise than training.
     ("tree_of_three_steps", "--speculative-eagle-topk 2 --speculative-num-steps 3 --speculative-num-draft-tokens 6",
      {}, "tree:sglang-tree-kv-follows-row-slots"),
+    # Flags meant for the target that SGLang applies to the draft too, none of them speculative_*: the
+    # draft's own build (ModelConfig.from_server_args) reads them. The rope override also lengthens the
+    # target's context (x 2), held at the draft's here.
+    ("rope_scaling_override", f"{CHAIN} --context-length {LONG} {OVERRIDE.format(ROPE_SCALING)}", {},
+     "settings:json_model_override_args"),
+    ("norm_eps_override", f"{CHAIN} {OVERRIDE.format(EPS)}", {}, "settings:json_model_override_args"),
+    ("quantization_derived_for_the_draft", CHAIN + " --quantization fp8", {},
+     "settings:speculative_draft_model_quantization"),
+    ("fp8_kv_cache", CHAIN + " --kv-cache-dtype fp8_e4m3", {}, "settings:kv_cache_dtype"),
 )
 
 
@@ -168,3 +182,63 @@ def test_sglang_words_are_seen_whatever_configured_logging_before(tmp_path):
             lg.disabled, lg.propagate = disabled, propagate
             lg.setLevel(level)
     assert "speculative_num_draft_tokens is adjusted" in problem.evidence, problem.evidence
+
+
+def _stored_bf16(raw: dict) -> dict:
+    return {**raw, "torch_dtype": "bfloat16"}
+
+
+def test_a_cast_between_the_16_bit_formats_is_a_problem_and_a_downcast_from_float32_a_note(tmp_path):
+    """A draft stored in bf16 computed in fp16 (--dtype float16): range and rounding it was not trained with;
+    a float32 draft computed in bf16 is what the bf16 checks verify: a note, not a problem."""
+    served, checkpoint = user_draft(tmp_path / "bf16")
+    config = served / "config.json"
+    config.write_text(json.dumps(_stored_bf16(json.loads(config.read_text()))))
+    cast = check_user_settings(f"{CHAIN} --dtype float16", served, LLAMA, checkpoint, tmp_path / "work-bf16")
+    assert [p.key for p in cast.problems] == ["settings:dtype"], [f"{p.key}: {p.what}" for p in cast.problems]
+    assert "torch.float16" in cast.problems[0].what and "torch.bfloat16" in cast.problems[0].evidence, cast.problems
+    assert cast.problems[0].fix == "drop --dtype", cast.problems[0].fix
+    assert_real_cause(cast.problems[0])
+    down = settings(tmp_path / "fp32", f"{CHAIN} --dtype bfloat16")
+    assert down.problems == [] and [k for k, _ in down.notes] == ["dtype"], (down.problems, down.notes)
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("flags", ["--log-level debug", "--context-length 4096",
+                                   OVERRIDE.format('{"rope_theta": 5e5}')],
+                         ids=["log_level", "shorter_context", "rope_theta_not_read"])
+def test_a_setting_that_builds_the_same_draft_is_no_problem(flags, tmp_path):
+    """What does not change the draft SGLang builds: a log level, a context shorter than its positions, and
+    a config key its model does not read (SGLang's Llama layer takes rope_theta from rope_parameters,
+    models/llama.py LlamaDecoderLayer; the override sets only the top-level key): a note says so."""
+    result = settings(tmp_path, f"{CHAIN} {flags}")
+    assert result.problems == [], [f"{p.key}: {p.what}" for p in result.problems]
+    if "rope_theta" in flags:
+        assert [k for k, _ in result.notes] == ["json_model_override_args"], result.notes
+        assert "rope_theta: (not given) -> 500000.0" in result.notes[0][1], result.notes
+
+
+@pytest.mark.meta
+def test_a_setting_no_code_here_names_is_found_when_sglang_builds_the_draft_with_it(tmp_path, monkeypatch):
+    """Planted: SGLang's ModelConfig.from_server_args made to read --log-level for the draft (as a release
+    could start reading any flag). The check names no flags: it finds what the draft's build reads."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.configs.model_config import ModelConfig
+
+    original = ModelConfig.from_server_args
+
+    def planted(server_args, *args, is_draft_model=False, **kwargs):
+        config = original(server_args, *args, is_draft_model=is_draft_model, **kwargs)
+        if is_draft_model and resolving_view(server_args).log_level == "debug":
+            config.hf_config.rms_norm_eps = 0.01
+        return config
+
+    monkeypatch.setattr(ModelConfig, "from_server_args", staticmethod(planted))
+    result = settings(tmp_path, f"{CHAIN} --log-level debug")
+    assert [p.key for p in result.problems] == ["settings:log_level"], [p.what for p in result.problems]
+    problem = result.problems[0]
+    assert "(rms_norm_eps)" in problem.what, problem.what
+    assert all(f"{k}: 1e-06 -> 0.01" in problem.evidence for k in ("rms_norm_eps", "variance_epsilon")), \
+        problem.evidence
+    assert problem.where == "server setting: log_level (from --log-level)", problem.where
+    assert problem.fix == "drop --log-level", problem.fix

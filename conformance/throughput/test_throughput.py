@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from conformance.adapters import ADAPTERS, REFERENCE
-from conformance.adapters.base import lane_of
 from conformance.session.harness import DraftStore
 from conformance.core.sections import Section
 from conformance.throughput.results import RESULTS, Figure, reference_id
@@ -31,7 +30,7 @@ from fixtures.tiny import make_batch
 
 CPU_CASES = sweep("cpu", CPU_SIZES, ("fp32", "bf16"))
 # The lanes of their own (vLLM's: make bench-vllm), each with the reference's figures for the ratio.
-OWN_LANE_CASES = [case for lane in sorted({lane_of(a) for a in ADAPTERS.values()} - {"cpu"})
+OWN_LANE_CASES = [case for lane in sorted({a.lane for a in ADAPTERS.values()} - {"cpu"})
                   for case in sweep("cpu", CPU_SIZES, ("fp32", "bf16"), lane)]
 GPU_CASES = sweep("cuda", GPU_SIZES, ("bf16",))
 # Seconds of timed rounds per figure (rounds = budget / one call, within [MIN, MAX]).

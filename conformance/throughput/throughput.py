@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import lane_of
 from conformance.throughput.cases import DECODE, EXTEND, BenchCase
 from conformance.throughput.results import RESULTS
 from reference.eagle3 import Eagle3Config
@@ -45,16 +44,6 @@ def planted_slowdown(impl: str) -> int:
 
 # ---------------------------------------------------------------- the sweep
 
-# Shapes whose pass does not compile on a CPU host (seen in every dtype and size of the sweep): vLLM's attention
-# there is the FLEX_ATTENTION shim (adapters/vllm/shims.py), which torch 2.14's Inductor compiles; its CPU
-# flex-attention template fails for these (not vLLM's maths: a CUDA server runs another backend).
-_FLEX_CODEGEN = "vllm on cpu: torch 2.14 Inductor's CPU flex-attention template emits C++ that does not compile"
-_FLEX_BLOCK_MASK = ("vllm on cpu: torch 2.14 Inductor's flex-attention lowering asserts 'KV seqlen must be smaller "
-                    "than the block_mask size' for 32 requests")
-CPU_COMPILE_FAILS = {("vllm", 1, 1024): _FLEX_CODEGEN, ("vllm", 32, 128): _FLEX_BLOCK_MASK,
-                     ("vllm", 32, 1024): _FLEX_BLOCK_MASK}
-
-
 def restriction(case: BenchCase) -> str | None:
     """Why a combination is left out of the sweep, or None.
 
@@ -67,8 +56,8 @@ def restriction(case: BenchCase) -> str | None:
     score matrix at T = 32768 is over 100 GiB at real shapes); the others run all.
     """
     T = case.batch * case.context
-    if case.device == "cpu" and (case.impl, case.batch, case.context) in CPU_COMPILE_FAILS:
-        return CPU_COMPILE_FAILS[case.impl, case.batch, case.context]
+    if case.device == "cpu" and (case.batch, case.context) in ADAPTERS[case.impl].cpu_compile_fails:
+        return ADAPTERS[case.impl].cpu_compile_fails[case.batch, case.context]
     dense = ADAPTERS[case.impl]().dense_attention(case.device)
     if case.device == "cuda":
         limit = 8192 if dense else None
@@ -86,7 +75,7 @@ def sweep(device: str, sizes, dtypes, lane: str = "cpu") -> list[BenchCase]:
     the default lane's adapters, or those of a lane of its own (vLLM's) next to the reference (its ratio)."""
     from conformance.adapters import REFERENCE
 
-    impls = [name for name, a in ADAPTERS.items() if lane_of(a) == lane or (lane != "cpu" and name == REFERENCE)]
+    impls = [name for name, a in ADAPTERS.items() if a.lane == lane or (lane != "cpu" and name == REFERENCE)]
     out = []
     for size in sizes:
         for dtype in dtypes:

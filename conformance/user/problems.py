@@ -14,6 +14,7 @@ from conformance.core import matching, registry
 from conformance.core.compare import MISSING, Comparison
 from conformance.core.tolerances import dtype_name
 from conformance.core.findings import FORWARD, LOADING, Problem
+from conformance.core.sections import FAIL, KNOWN, PASS
 from reference.eagle3 import Eagle3Config
 
 RETRAIN = "SGLang cannot serve this knob; retrain without it"
@@ -71,6 +72,12 @@ def fix_for(entry: registry.Known, cfg: Eagle3Config) -> str:
 
 def _version(impl: str) -> str:
     return f"{impl} {registry.installed_version(impl) or ''}".strip()
+
+
+def report_outcome(problem: Problem | None) -> str:
+    """A comparison's outcome in the report: a registered cause is a known divergence there, as the verdict
+    names it (still a problem of the verdict: the draft is not served as trained)."""
+    return PASS if problem is None else KNOWN if problem.known else FAIL
 
 
 def forward_problem(impl: str, cfg: Eagle3Config, known, comparison: Comparison, steps: int) -> Problem | None:

@@ -132,7 +132,9 @@ def conversion_findings(source: Path, served: Path, intended: tuple[tuple[int, .
     if got != (None if expected is None else list(expected)):
         out.append(f"aux ids: SGLang reads eagle_config ids {got} (spec_aux_hidden_state.py:185-196); "
                    f"the conversion must give it {None if expected is None else list(expected)}: {why}")
-    ref, sgl = accounts["reference"].knobs, accounts["sglang"].knobs
+    from conformance.adapters import DEFAULT_SERVER, REFERENCE
+
+    ref, sgl = accounts[REFERENCE].knobs, accounts[DEFAULT_SERVER].knobs
     out += [f"{knob}: SGLang builds {sgl.get(knob)}, training has {ref.get(knob)}"
             for knob in KEPT_KNOBS if str(ref.get(knob)) != str(sgl.get(knob))]
     return out

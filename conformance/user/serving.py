@@ -10,19 +10,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from conformance.adapters import DEFAULT_SERVER
 from conformance.checkpoints.knobs import CONFIG_FILE
 from reference.eagle3 import Eagle3Config
 
-# --serve-with: the servers a user's draft is checked against (every adapter that serves: serving_decode).
+# --serve-with: the servers a user's draft is checked against (every adapter that serves: is_server).
 BOTH = "both"
-DEFAULT_SERVER = "sglang"
 
 
 def servers() -> list[str]:
-    """The serving implementations (their adapters draft steps >= 1 as a server does)."""
+    """The serving implementations (their adapters' `is_server`)."""
     from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
 
-    return [impl for impl in ALL_IMPLEMENTATIONS if ADAPTERS[impl].serving_decode]
+    return [impl for impl in ALL_IMPLEMENTATIONS if ADAPTERS[impl].is_server]
 
 
 def served_with(config) -> list[str]:
@@ -38,9 +38,7 @@ def unavailable(choice: str) -> str | None:
 
     named = servers() if choice == BOTH else [choice]
     for impl in (impl for impl in named if impl in ADAPTERS):   # an unknown name is pytest's own usage error
-        missing = getattr(ADAPTERS[impl], "missing", None)
-        why = missing() if missing is not None else None
-        if why:
+        if why := ADAPTERS[impl].missing():
             return f"--serve-with {choice}: {impl} cannot run here: {why}"
     return None
 

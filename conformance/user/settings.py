@@ -6,13 +6,19 @@ Entry point (the verdict's user checks call it):
     check_user_settings(command_line, draft_dir, target_config, checkpoint, root) -> UserSettings
         `draft_dir`: the draft as SGLang reads it (the converted copy when SGLang cannot read the user's
         own); `checkpoint`: the user's DraftCheckpoint as given (its config says what training did).
-        UserSettings.problems: verdict Problems (rank SETTINGS); .requested / .effective: SGLang's values;
-        .rows(): report rows. Raises CommandLineError (one line) when SGLang refuses the flags.
+        UserSettings.problems: verdict Problems (rank SETTINGS); .notes: changes the draft does not feel;
+        .requested / .effective: every ServerArgs field, as the line gave it (None: not given) and as SGLang
+        resolved it; .rows(): report rows. Raises CommandLineError (one line) when SGLang refuses the flags.
 
 What the registry knows about SGLang's serving on the resolved settings is part of it: every applicable
 `settings` entry (conformance/core/registry.toml) is a problem, merged into the observed one of the same
 setting when a check below saw it, and every applicable `tree` entry (a tree draft SGLang serves unlike
 training) is one, with the entry's reason and fix.
+
+Every other setting, whatever its flag is called, is judged on the draft SGLang builds with it
+(conformance/adapters/sglang/settings.py draft_view: the draft's ModelConfig, model and KV cache dtype under
+the resolved line against under SGLang's defaults, each setting the build read tried alone): a problem
+where the draft computes or stores otherwise than its file says (_draft_change), a note where it does not.
 
 SGLang's side is its own code: the parser and resolve_once (conformance/adapters/sglang/settings.py), the
 context length from its ModelConfig for the target and then for the draft with the target's context
@@ -26,8 +32,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conformance.adapters.sglang.settings import HOST_ARGS, NUMBERS, CommandLineError, resolve  # noqa: F401
-# CommandLineError is re-exported: callers catch it from here.
+import torch
+
+from conformance.adapters import ADAPTERS, DEFAULT_SERVER
 from conformance.checkpoints.directory import DraftCheckpoint
 from conformance.checkpoints.errors import load_json
 from conformance.core import areas, registry
@@ -40,6 +47,12 @@ WORKER = "sglang.srt.speculative.eagle_worker_v2"
 DRAFT = "sglang.srt.models.llama_eagle3"
 EAGLE3_CLASSES = ("LlamaForCausalLMEagle3",)
 CONTEXT = "context_length"
+# SGLang's own resolution, the default server's `server_settings`. CommandLineError: callers catch it from here.
+SERVER_SETTINGS = ADAPTERS[DEFAULT_SERVER].server_settings
+NUMBERS, CommandLineError, DraftChange, DraftView = (SERVER_SETTINGS.NUMBERS, SERVER_SETTINGS.CommandLineError,
+                                                     SERVER_SETTINGS.DraftChange, SERVER_SETTINGS.DraftView)
+draft_view, flag, resolve_line, shown = (SERVER_SETTINGS.draft_view, SERVER_SETTINGS.flag,
+                                         SERVER_SETTINGS.resolve_line, SERVER_SETTINGS.shown)
 
 
 @dataclass
@@ -49,17 +62,20 @@ class UserSettings:
     effective: dict
     warnings: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    notes: list[tuple[str, str]] = field(default_factory=list)   # (setting, why): changes the draft does not feel
 
     def rows(self) -> list[dict]:
-        rows = [{"command line": self.command_line, "setting": k, "requested": _show(self.requested.get(k)),
-                 "effective": _show(self.effective.get(k)), "verdict": "", "why": ""}
-                for k in dict.fromkeys([*self.requested, *self.effective])]
-        by_setting = {r["setting"]: r for r in rows}
+        """The chain's numbers, the context and every setting the line gave, then each problem's and note's
+        setting, with its verdict."""
+        settings = dict.fromkeys([*shown(self), CONTEXT, *(p.key.removeprefix("settings:") for p in self.problems),
+                                  *(setting for setting, _ in self.notes)])
+        rows = {k: {"command line": self.command_line, "setting": k, "requested": _show(self.requested.get(k)),
+                    "effective": _show(self.effective.get(k)), "verdict": "", "why": ""} for k in settings}
+        for setting, why in self.notes:
+            rows[setting].update(verdict="note", why=why)
         for p in self.problems:
-            row = by_setting.get(p.key.removeprefix("settings:"))
-            if row is not None:
-                row.update(verdict="problem", why=p.what)
-        return rows
+            rows[p.key.removeprefix("settings:")].update(verdict="problem", why=p.what)
+        return list(rows.values())
 
 
 def _show(value) -> str:
@@ -80,40 +96,6 @@ def trained_steps(checkpoint: DraftCheckpoint) -> int | None:
     return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
 
 
-def asked(command_line: str, target_dir: Path, draft_dir: Path):
-    """SGLang's ServerArgs as parsed from the line, before resolution (what was asked for). The line has
-    passed resolve() already, so SGLang's parser accepts it."""
-    import argparse
-    import shlex
-
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser(prog="sglang serve")
-    ServerArgs.add_cli_args(parser)
-    argv = ["--model-path", str(target_dir), "--speculative-draft-model-path", str(draft_dir), *HOST_ARGS,
-            *shlex.split(command_line)]
-    return ServerArgs.from_cli_args(parser.parse_args(argv))
-
-
-def context_lengths(server_args, target_dir: Path, draft_dir: Path) -> tuple[int, int, str]:
-    """(the context the server runs, the draft's own maximum, SGLang's words when it refuses the pair),
-    from SGLang's ModelConfig: the target's, then the draft's with the target's context length, as the
-    EAGLE worker builds it."""
-    from sglang.srt.configs.model_config import ModelConfig
-
-    common = dict(trust_remote_code=server_args.trust_remote_code,
-                  model_override_args=server_args.json_model_override_args or "{}")
-    target = ModelConfig(str(target_dir), context_length=server_args.context_length, **common).context_len
-    draft = ModelConfig(str(draft_dir), is_draft_model=True, trust_remote_code=server_args.trust_remote_code)
-    try:
-        ModelConfig(str(draft_dir), is_draft_model=True, context_length=target,
-                    trust_remote_code=server_args.trust_remote_code)
-        refused = ""
-    except ValueError as exc:   # SGLang's own refusal, first sentence
-        refused = str(exc).split(". ")[0]
-    return target, draft.context_len, refused
-
-
 def _draft_class(draft_dir: Path) -> str:
     from sglang.srt.models.registry import ModelRegistry
 
@@ -129,21 +111,26 @@ def check_user_settings(command_line: str, draft_dir: Path, target_config: Path,
     target_dir = Path(root) / "target"   # SGLang reads <dir>/config.json; the user's file is only copied
     target_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(target_config, target_dir / "config.json")
-    requested, effective, warnings = resolve(command_line, target_dir, Path(draft_dir))
-    server_args = asked(command_line, target_dir, Path(draft_dir))
-    ctx, draft_ctx, refused = context_lengths(server_args, target_dir, Path(draft_dir))
-    requested[CONTEXT], effective[CONTEXT] = server_args.context_length, ctx
-    out = UserSettings(command_line, requested, effective, warnings)
+    line = resolve_line(command_line, target_dir, Path(draft_dir))
+    view = draft_view(line)
+    requested, effective = line.requested, line.effective
+    effective[CONTEXT] = view.context   # the context the server runs: the target's, as SGLang builds it
+    out = UserSettings(command_line, requested, effective, line.warnings)
     cfg = checkpoint.config
-    out.problems += _numbers(requested, effective, warnings, trained_steps(checkpoint))
+    out.problems += _numbers(requested, effective, line.warnings, trained_steps(checkpoint))
     out.problems += _algorithm(effective, _draft_class(Path(draft_dir)))
     out.problems += _window(effective, cfg.sliding_window)
     out.problems += _token_map(effective, cfg)
     out.problems += _embedding(checkpoint)
-    out.problems += _context(ctx, draft_ctx, refused, cfg.max_position_embeddings)
+    out.problems += _context(view.context, view.draft_context, view.refused, cfg.max_position_embeddings)
     out.problems += _rejection_sampling(effective, cfg)
     out.problems += _registered(requested, effective, cfg, Path(draft_dir), out.problems)
     out.problems += _tree(effective, cfg)
+    for change in view.changes:
+        if f"settings:{change.setting}" not in {p.key for p in out.problems}:   # a check above has it, with its fix
+            problem, notes = _draft_change(view, change)
+            out.problems += [problem] if problem else []
+            out.notes += [(change.setting, note) for note in notes]
     return out
 
 
@@ -241,8 +228,8 @@ def _embedding(checkpoint: DraftCheckpoint) -> list[Problem]:
                      "retrain with the target's embedding frozen (embed_requires_grad false)")]
 
 
-def _context(ctx: int, draft_ctx: int, refused: str, max_pos: int) -> list[Problem]:
-    if ctx <= min(draft_ctx, max_pos):
+def _context(ctx: int, draft_ctx: int | None, refused: str, max_pos: int) -> list[Problem]:
+    if ctx <= min(draft_ctx or max_pos, max_pos):
         return []
     evidence = f"the server runs context {ctx}; the draft's max_position_embeddings is {max_pos}" + (
         f"; SGLang refuses to start: {refused!r}" if refused else "")
@@ -264,6 +251,59 @@ def _rejection_sampling(effective: dict, cfg) -> list[Problem]:
                      "drop --speculative-use-rejection-sampling")]
 
 
+# ---------------------------------------------------------------- the draft the resolved settings build
+
+SHOWN_DIFFERENCES = 6   # the evidence names this many differing attributes of the draft's model, then counts the rest
+
+
+def _differences(file: dict, served: dict) -> list[str]:
+    return [f"{k}: {_show(file.get(k))} -> {_show(served.get(k))}" for k in dict.fromkeys([*file, *served])
+            if file.get(k) != served.get(k)]
+
+
+def _draft_change(view: DraftView, change: DraftChange) -> tuple[Problem | None, list[str]]:
+    """(the problem, the notes) of one resolved setting that builds another draft than its file describes.
+    A problem where what the draft computes or stores is not what training had: its config as the model
+    SGLang builds reads it, weights quantized, a cast between the two 16-bit formats, a KV cache stored
+    below the draft's own dtype. A note where the change does not reach that far: a config field the model
+    never reads, an upcast, or a downcast from float32 (what the bf16 checks verify)."""
+    file, served = view.file, change.served
+    effects, notes = [], []
+    config, model = _differences(file.config, served.config), _differences(file.module, served.module)
+    if model:
+        more = f" (and {len(model) - SHOWN_DIFFERENCES} more)" if len(model) > SHOWN_DIFFERENCES else ""
+        effects.append((f"the draft's config is served otherwise ({', '.join(k.split(':')[0] for k in config)})",
+                        f"its config.json as SGLang reads it -> as served: {'; '.join(config) or 'the same'}; the "
+                        f"model SGLang builds from it: {'; '.join(model[:SHOWN_DIFFERENCES])}{more}"))
+    elif config:
+        notes.append(f"{'; '.join(config)}: the model SGLang builds for the draft is the same (it reads none of them)")
+    if served.quantization != file.quantization:
+        effects.append((f"the draft's weights are quantized at load ({served.quantization})",
+                        f"quantization: the draft's file {file.quantization or 'none'}, served {served.quantization}"))
+    if served.dtype != file.dtype:
+        words = f"dtype {file.dtype} -> {served.dtype}; the draft's config says its weights are {served.stored}"
+        if served.dtype == served.stored or torch.float32 in (served.dtype, served.stored):
+            notes.append(f"{words}: {'an upcast' if served.dtype == torch.float32 else 'a downcast from float32'}, "
+                         "within the precision the bf16 checks verify")
+        else:   # between the two 16-bit formats: range and rounding the draft was not trained with
+            effects.append((f"the draft computes in {served.dtype}, its weights are {served.stored}", words))
+    if served.kv_cache_dtype != file.kv_cache_dtype and served.kv_cache_dtype != served.dtype:
+        effects.append((f"the draft's KV cache stores keys and values in {served.kv_cache_dtype}",
+                        f"KV cache dtype {file.kv_cache_dtype} -> {served.kv_cache_dtype}; the draft computes in "
+                        f"{served.dtype} and was trained attending over keys and values in its own dtype"))
+    if not effects:
+        return None, notes
+    setting, given = change.setting, change.flag
+    derived = f"; SGLang derives it at {source_line(*change.derived_by)}" if change.derived_by else ""
+    fix = f"drop {given}" if given == flag(setting) else (
+        f"give {flag(setting)} explicitly: SGLang resolves it to {change.value}"
+        + (f" from {given}" if given else "") + f" (without the flags: {_show(change.default)})")
+    return Problem("; ".join(what for what, _ in effects), f"server setting: {setting}" + (
+                       f" (from {given})" if given else ""), "; ".join(e for _, e in effects),
+                   f"the draft's worker builds it with this setting, as the target's "
+                   f"({source_line(*change.read_at)}){derived}", fix, SETTINGS, key=f"settings:{setting}"), notes
+
+
 # ---------------------------------------------------------------- what the registry knows
 
 def _registered(requested: dict, effective: dict, cfg, draft_dir: Path, found: list[Problem]) -> list[Problem]:
@@ -277,7 +317,7 @@ def _registered(requested: dict, effective: dict, cfg, draft_dir: Path, found: l
              "config_has_draft_vocab_size": raw.get("draft_vocab_size") is not None}
     seen = {p.key: p for p in found}
     out = []
-    for entry in registry.applicable("settings", "sglang", names):
+    for entry in registry.applicable("settings", DEFAULT_SERVER, names):
         key = f"settings:{entry.setting}"
         if key in seen:
             problem = seen[key]
@@ -298,7 +338,8 @@ def _registered_problem(entry: registry.Known, evidence: str, fix: str, key: str
     how = f" ({areas.ASSERTED}: no check here runs SGLang's code for it)" if entry.asserted else ""
     return Problem(f"SGLang serves {entry.setting} otherwise than the draft was trained ({entry.id})",
                    f"server setting: {entry.setting}", f"{evidence}; the registry's condition holds: {entry.when}{how}",
-                   entry.reason, fix, SETTINGS, key=key or f"settings:{entry.setting}", known=entry.id, impl="sglang")
+                   entry.reason, fix, SETTINGS, key=key or f"settings:{entry.setting}", known=entry.id,
+                   impl=DEFAULT_SERVER)
 
 
 def _tree(effective: dict, cfg) -> list[Problem]:
@@ -311,8 +352,8 @@ def _tree(effective: dict, cfg) -> list[Problem]:
                     f"server flags: topk {topk}, {steps} steps, {tokens} draft tokens; draft step {entry.step}, "
                     f"stage `{entry.stage}`",
                     f"the registry's entry holds for this tree ({entry.when}) on sglang "
-                    f"{registry.installed_version('sglang')}: the tree check on tiny drafts "
+                    f"{registry.installed_version(DEFAULT_SERVER)}: the tree check on tiny drafts "
                     f"(conformance/draft/test_tree.py) first diverges at draft step {entry.step}, `{entry.stage}`",
                     entry.reason, fix_for(entry, cfg), SETTINGS, key=f"tree:{entry.id}", known=entry.id,
-                    impl="sglang")
-            for entry in registry.applicable("tree", "sglang", names)]
+                    impl=DEFAULT_SERVER)
+            for entry in registry.applicable("tree", DEFAULT_SERVER, names)]

@@ -20,7 +20,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conformance.adapters import ADAPTERS
-from conformance.adapters.base import lane_of
 from conformance.core.trace import Trace
 from conformance.checkpoints.directory import write_draft
 from conformance.checkpoints.errors import ConversionError
@@ -151,7 +150,7 @@ class UserDraftStore(DraftStore):
         try:
             return super().trace(impl, self.case, dtype, steps, teacher_forced)
         finally:
-            if fresh and ADAPTERS[impl].serving_decode:   # a serving engine's model: free it before the next
+            if fresh and ADAPTERS[impl].is_server:   # a serving engine's model: free it before the next
                 gc.collect()
 
     @property
@@ -193,7 +192,7 @@ class UserDraftStore(DraftStore):
             dirs = self.checkpoint(self.case)
             self._accounts = {}
             for impl, adapter in ADAPTERS.items():
-                if lane_of(adapter) != "cpu":   # its own lane (vLLM's environment): only when asked (account_of)
+                if adapter.lane != "cpu":   # its own lane (vLLM's environment): only when asked (account_of)
                     continue
                 if impl in other_trainers(self.inputs.trainer) or adapter.checkpoint_format not in dirs:
                     continue   # another trainer's implementation, or one that cannot express the draft

@@ -17,10 +17,10 @@ import pytest
 from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS
 from conformance.core import registry
 from conformance.session.harness import check_forward as run_forward
-from conformance.core.sections import FAIL, PASS, Section
+from conformance.core.sections import Section
 from conformance.loading.accounting import knob_rows
 from conformance.user.plan import FULL, STEPS, plan_for
-from conformance.user.problems import accounting_problems, forward_problem, load_problem
+from conformance.user.problems import accounting_problems, forward_problem, load_problem, report_outcome
 from conformance.user.serving import served_with
 from conformance.user.servable import conversion_findings, conversion_problem, directory_problem
 from conformance.user.trainer import FORMAT_TRAINER, other_trainers
@@ -50,7 +50,7 @@ def user_implementations(inputs, config=None) -> list[str]:
     chosen = served_with(config)
     others = other_trainers(inputs.trainer) if inputs else other_trainers(None, FORMAT_TRAINER[FIXTURE_FORMAT])
     return [impl for impl in ALL_IMPLEMENTATIONS if impl not in others
-            and (not ADAPTERS[impl].serving_decode or impl in chosen)]
+            and (not ADAPTERS[impl].is_server or impl in chosen)]
 
 
 def report_once(store, report, verdict) -> None:
@@ -109,10 +109,11 @@ def check_forward(store, report, verdict, impl: str, dtype_name: str, nodeid: st
         pytest.skip(why)
     check = run_forward(store, impl, case, dtype_name, repro, steps)
     if check.failure is not None:
-        report.add_load_failure(impl, case.id, dtype_name, nodeid, FAIL, str(check.failure))
-        fail(load_problem(impl, cfg, check.known, str(check.failure)), verdict, nodeid, check.message)
+        problem = load_problem(impl, cfg, check.known, str(check.failure))
+        report.add_load_failure(impl, case.id, dtype_name, nodeid, report_outcome(problem), str(check.failure))
+        fail(problem, verdict, nodeid, check.message)
     problem = forward_problem(impl, cfg, check.known, check.comparison, steps)
-    report.add(check.comparison, nodeid, PASS if problem is None else FAIL, "" if problem is None else problem.cause)
+    report.add(check.comparison, nodeid, report_outcome(problem), "" if problem is None else problem.cause)
     if problem is not None:
         fail(problem, verdict, nodeid, check.message)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from conformance.core.sections import Section
-from conformance.user.serving import DEFAULT_SERVER, STAND_IN, served_with, servers, user_settings, user_wiring
+from conformance.adapters import DEFAULT_SERVER
+from conformance.user.serving import STAND_IN, served_with, servers, user_settings, user_wiring
 from conformance.user.test_user_draft import fail, report_once
 from conformance.user.user_draft import digest
 from conformance.user.verdict import not_applicable, not_checked
@@ -46,12 +47,12 @@ def test_user_draft_target_wiring(user_draft, report, verdict, request):
 
 
 def other_servers() -> list[tuple[str, str | None]]:
-    """(server, model runner) for each server other than SGLang whose adapter reads the target wiring."""
+    """(server, model runner) for each server other than the default whose adapter reads the target wiring."""
     from conformance.adapters import ADAPTERS
     from conformance.wiring.cases import runners
 
     return [(impl, runner) for impl in servers() if impl != DEFAULT_SERVER
-            and hasattr(ADAPTERS[impl], "served_boundaries") for runner in runners(impl)]
+            and ADAPTERS[impl].served_boundaries is not None for runner in runners(impl)]
 
 
 @pytest.mark.parametrize("impl,runner", other_servers(), ids=lambda v: str(v))

@@ -203,7 +203,7 @@ def check_command_line(line: str) -> None:
 
     from sglang.srt.server_args import ServerArgs
 
-    from conformance.adapters.sglang.settings import HOST_ARGS
+    from conformance.adapters import ADAPTERS, DEFAULT_SERVER
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):   # argparse would print its usage and exit 2
@@ -215,7 +215,7 @@ def check_command_line(line: str) -> None:
         raise OptionError(f"--sglang-args {line!r}: {exc}") from None
     parser = Parser(prog="sglang serve")
     ServerArgs.add_cli_args(parser)
-    parser.parse_args(["--model-path", "target", *HOST_ARGS, *argv])
+    parser.parse_args(["--model-path", "target", *ADAPTERS[DEFAULT_SERVER].server_settings.HOST_ARGS, *argv])
 
 
 # ---------------------------------------------------------------- the user's case

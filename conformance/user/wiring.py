@@ -30,15 +30,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from conformance.adapters.sglang.target import (
-    AuxIds, CaptureFailed, DraftConfigRefused, sglang_aux_layer_ids, sglang_class,
-)
 from conformance.checkpoints.errors import CheckpointError
 from conformance.core.compare import OK, StageResult, compare_tensors
 from conformance.user.trainer import Trainer
 from conformance.core.findings import WIRING, Problem
 from conformance.wiring.cases import AUX_STAGE
-from conformance.wiring.comparison import describe_read
+from conformance.wiring.comparison import TARGET, describe_read
 from conformance.wiring.target_twin import TwinRun, TwinUnsupported, build_twin, target_twin
 
 
@@ -150,7 +147,7 @@ def _capture_cause(run: TwinRun) -> str:
         resolve_spec_aux_hidden_state_config,
     )
 
-    classes = run.classes or (sglang_class(run.twin),)
+    classes = run.classes or (TARGET.sglang_class(run.twin),)
     setters = " via ".join(f"{c.__name__}.set_eagle3_layers_to_capture ({source_ref(c.set_eagle3_layers_to_capture)})"
                            for c in classes)
     return (f"SGLang reads the ids with resolve_spec_aux_hidden_state_config "
@@ -165,8 +162,8 @@ def find_ids(run: TwinRun, training: tuple[int, ...]) -> tuple[int, ...] | None:
     want = tuple(boundary_name(b, n) for b in training)
     for ids in dict.fromkeys((tuple(b - 1 for b in training), tuple(training))):
         try:
-            layers, aux = run.capture(AuxIds(True, ids))
-        except CaptureFailed:
+            layers, aux = run.capture(TARGET.AuxIds(True, ids))
+        except TARGET.CaptureFailed:
             continue
         if served_boundaries(run, layers, aux) == want:
             return ids
@@ -180,7 +177,7 @@ def servable_ids(target_config: Path, boundaries: tuple[int, ...], root: Path) -
 def _fix(run: TwinRun, training: tuple[int, ...], use_aux: bool) -> str:
     n = run.twin.num_layers
     ids = find_ids(run, training)
-    cls = (run.classes or (sglang_class(run.twin),))[0].__name__
+    cls = (run.classes or (TARGET.sglang_class(run.twin),))[0].__name__
     if ids is None:
         return (f"SGLang's {cls} cannot capture {layer_list(training, n)} with any eagle_config ids tried; "
                 "retrain on layers it can capture (e.g. its default list) and write those ids")
@@ -223,8 +220,8 @@ def check_user_wiring(draft_dir: Path, target_config: Path, trainer: Trainer, ro
         return out
     run = build_twin(twin, Path(root))
     try:
-        aux_ids = sglang_aux_layer_ids(Path(draft_dir), Path(draft_dir).parent)
-    except DraftConfigRefused as exc:
+        aux_ids = TARGET.sglang_aux_layer_ids(Path(draft_dir), Path(draft_dir).parent)
+    except TARGET.DraftConfigRefused as exc:
         out.error = f"SGLang refused the draft config: {exc}"
         out.problems.append(Problem("SGLang cannot read the draft's config.json", "config.json", str(exc),
                                     source_line("sglang.srt.model_executor.model_runner_components."
@@ -234,7 +231,7 @@ def check_user_wiring(draft_dir: Path, target_config: Path, trainer: Trainer, ro
     out.read = describe_read(aux_ids)
     try:
         out.layers_to_capture, aux = run.capture(aux_ids)
-    except CaptureFailed as exc:
+    except TARGET.CaptureFailed as exc:
         out.error = f"SGLang's target failed while capturing: {exc}"
         aux = None
         out.serving = ()

@@ -192,12 +192,14 @@ def runners(impl: str) -> tuple[str | None, ...]:
     default first), or (None,)."""
     from conformance.adapters import ADAPTERS
 
-    return tuple(getattr(ADAPTERS[impl], "runners", ())) or (None,)
+    return ADAPTERS[impl].runners or (None,)
 
 
 def known_wiring(target: TargetSpec, case: WiringCase, fmt: str) -> tuple[Known, ...]:
-    """The registry's wiring entries for this case; the first decides (registry.match_wiring)."""
-    return applicable("wiring", "sglang", wiring_names(target, case, fmt))
+    """The registry's wiring entries for this case on the default server; the first decides (registry.match_wiring)."""
+    from conformance.adapters import DEFAULT_SERVER
+
+    return applicable("wiring", DEFAULT_SERVER, wiring_names(target, case, fmt))
 
 
 def wiring_matrix(targets) -> list[tuple[TargetSpec, WiringCase, str]]:

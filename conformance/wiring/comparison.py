@@ -6,9 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conformance.adapters.sglang.target import (
-    AuxIds,
-)
+from conformance.adapters import ADAPTERS, DEFAULT_SERVER
 from conformance.core.areas import Mismatch
 from conformance.core.compare import OK, StageResult, compare_tensors
 
@@ -17,6 +15,8 @@ from conformance.wiring.cases import (
     boundary_name, layer_list,
 )
 
+# The default server's real target classes with aux capture (SGLang's: conformance/adapters/sglang/target.py).
+TARGET = ADAPTERS[DEFAULT_SERVER].target_capture
 
 # ---------------------------------------------------------------- the comparison
 
@@ -113,7 +113,7 @@ def _boundary(name: str) -> int | None:
     return 0 if name == "embed" else N if name == "final" else int(name) if name.isdigit() else None
 
 
-def describe_read(aux: AuxIds) -> str:
+def describe_read(aux: TARGET.AuxIds) -> str:
     if not aux.use_aux:
         return "use_aux_hidden_state false"
     return "no ids (the target's default list)" if aux.layer_ids is None else f"eagle_config {list(aux.layer_ids)}"

@@ -23,7 +23,7 @@ from fixtures.targets import CAPTURE_ONLY_TARGETS, TARGETS, TargetSpec, write_ta
 
 pytestmark = pytest.mark.cpu
 
-SERVERS = [impl for impl in ALL_IMPLEMENTATIONS if hasattr(ADAPTERS[impl], "served_boundaries")]
+SERVERS = [impl for impl in ALL_IMPLEMENTATIONS if ADAPTERS[impl].served_boundaries is not None]
 
 
 def known(impl: str, target: TargetSpec, case: WiringCase, fmt: str, runner: str | None = None):

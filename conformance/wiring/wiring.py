@@ -12,9 +12,7 @@ from pathlib import Path
 
 import torch
 
-from conformance.adapters.sglang.target import (
-    CaptureFailed, DraftConfigRefused, SGLangTarget, build_target, load_target, sglang_aux_layer_ids,
-)
+from conformance.adapters import ADAPTERS, DEFAULT_SERVER, DEFAULT_TRAINER
 from fixtures.targets import (
     TARGET_HIDDEN, TargetSpec, make_hf_target, make_target_input, write_target_config,
 )
@@ -22,7 +20,7 @@ from fixtures.tiny import make_config
 
 from conformance.core.common import remembered
 from conformance.wiring.cases import CAPTURE_FAILED, DTYPE, N, REFUSED, WiringCase, boundary_name, draft_config_json
-from conformance.wiring.comparison import WiringComparison, compare_capture, describe_read
+from conformance.wiring.comparison import TARGET, WiringComparison, compare_capture, describe_read
 
 
 # ---------------------------------------------------------------- session store
@@ -33,7 +31,7 @@ class TargetRun:
     input_ids: torch.Tensor              # [T]
     states: list[torch.Tensor]           # HF boundaries 0..N, each [T, Ht] (N: before the final norm)
     hf_logits: torch.Tensor              # [T, V]
-    sglang: SGLangTarget
+    sglang: TARGET.SGLangTarget
     hf: torch.nn.Module                  # the transformers target (tie_last_hidden_states off)
 
 
@@ -43,11 +41,11 @@ class WiringStore:
     def __init__(self, root: Path, seed: int = 0):
         self.root, self.seed = root, seed
         self._targets: dict[str, TargetRun] = {}
-        self._capture_only: dict[str, SGLangTarget] = {}
+        self._capture_only: dict[str, TARGET.SGLangTarget] = {}
         self._configs: dict[tuple[str, str], Path] = {}
         # SGLang's forward per (target, layers_to_capture): with the same weights and prompt it is a
         # function of those alone, so cases that resolve to the same layers share one forward.
-        self._forwards: dict[tuple, tuple[torch.Tensor, torch.Tensor] | CaptureFailed] = {}
+        self._forwards: dict[tuple, tuple[torch.Tensor, torch.Tensor] | TARGET.CaptureFailed] = {}
 
     def target(self, spec: TargetSpec) -> TargetRun:
         if spec.id not in self._targets:
@@ -57,7 +55,7 @@ class WiringStore:
                 out = hf(ids[None], output_hidden_states=True)
             states = [h[0].detach().clone() for h in out.hidden_states]
             assert len(states) == spec.text_config["num_hidden_layers"] + 1
-            sglang = load_target(spec, write_target_config(spec, self.root / "targets" / spec.id), weights)
+            sglang = TARGET.load_target(spec, write_target_config(spec, self.root / "targets" / spec.id), weights)
             self._targets[spec.id] = TargetRun(spec, ids, states, out.logits[0].detach().clone(), sglang, hf)
         return self._targets[spec.id]
 
@@ -80,15 +78,15 @@ class WiringStore:
         case_id = f"{spec.id}-{case.id}-{fmt}"
         run = self.target(spec)
         try:
-            aux_ids = sglang_aux_layer_ids(self.draft_dir(case, fmt), self.root)
-        except DraftConfigRefused as exc:
+            aux_ids = TARGET.sglang_aux_layer_ids(self.draft_dir(case, fmt), self.root)
+        except TARGET.DraftConfigRefused as exc:
             return WiringComparison(case_id, case.boundaries, "nothing", None, None, f"{fmt}/config.json: {exc}",
                                     REFUSED, error_class=exc.error), None
         run.sglang.set_capture(aux_ids)
         read, layers = describe_read(aux_ids), tuple(run.sglang.layers_to_capture)
         try:
             aux, _ = self.forward(run, aux_ids.use_aux)
-        except CaptureFailed as exc:
+        except TARGET.CaptureFailed as exc:
             return WiringComparison(case_id, case.boundaries, read, layers, None, f"target forward: {exc}",
                                     CAPTURE_FAILED, error_class=exc.error), None
         return compare_capture(case_id, case.boundaries, run.states, aux, read, layers), aux
@@ -96,7 +94,7 @@ class WiringStore:
     def forward(self, run: TargetRun, use_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """SGLang's (aux, logits) for the target as currently configured; raises CaptureFailed."""
         key = (run.spec.id, use_aux, tuple(run.sglang.layers_to_capture))
-        return remembered(self._forwards, key, lambda: run.sglang.run(run.input_ids), CaptureFailed)
+        return remembered(self._forwards, key, lambda: run.sglang.run(run.input_ids), TARGET.CaptureFailed)
 
     def capture_ids_only(self, spec: TargetSpec, case: WiringCase, fmt: str) -> WiringComparison:
         """For a class whose forward cannot run here: SGLang's ids and the class's own
@@ -104,11 +102,12 @@ class WiringStore:
         its forward visits: 0..N for gpt-oss, gpt_oss.py:708-740, in layer order, each once)."""
         case_id = f"{spec.id}-{case.id}-{fmt}"
         if spec.id not in self._capture_only:
-            self._capture_only[spec.id] = build_target(spec, write_target_config(spec, self.root / "targets" / spec.id))
+            config_dir = write_target_config(spec, self.root / "targets" / spec.id)
+            self._capture_only[spec.id] = TARGET.build_target(spec, config_dir)
         target = self._capture_only[spec.id]
         try:
-            aux_ids = sglang_aux_layer_ids(self.draft_dir(case, fmt), self.root)
-        except DraftConfigRefused as exc:
+            aux_ids = TARGET.sglang_aux_layer_ids(self.draft_dir(case, fmt), self.root)
+        except TARGET.DraftConfigRefused as exc:
             return WiringComparison(case_id, case.boundaries, "nothing", None, None, f"{fmt}/config.json: {exc}",
                                     REFUSED, derived=True, error_class=exc.error)
         target.set_capture(aux_ids)
@@ -120,13 +119,12 @@ class WiringStore:
     # ------------------------------------------------------------ end to end: target -> aux -> draft
 
     def end_to_end(self, spec: TargetSpec, case: WiringCase, fmt: str, seed: int = 0):
-        """(sglang vs speculators Comparison, wiring): the same draft weights, each side fed by its own target.
+        """(default server vs trainer Comparison, wiring): the same draft weights, each side fed by its own target.
 
         Serving: SGLang's target capture -> SGLang's LlamaForCausalLMEagle3 (sglang-format checkpoint).
         Training: the trainer's capture from transformers -> speculators' Eagle3DraftModel (speculators
         format). Each side's draft input ids are its prompt shifted by one plus its own target's next token.
         """
-        from conformance.adapters import ADAPTERS
         from conformance.core.compare import compare_traces
         from fixtures.checkpoint import write_checkpoints
         from fixtures.tiny import make_draft_weights
@@ -149,9 +147,10 @@ class WiringStore:
             return DraftBatch(aux=aux.double(), input_ids=ids, positions=torch.arange(T),
                               seq_ids=torch.zeros(T, dtype=torch.long))
 
-        served = ADAPTERS["sglang"]().load(dirs["sglang"], DTYPE, device=run.sglang.device).run(
+        server, trainer = ADAPTERS[DEFAULT_SERVER](), ADAPTERS[DEFAULT_TRAINER]()
+        served = server.load(dirs[server.checkpoint_format], DTYPE, device=run.sglang.device).run(
             batch(serving_aux, sglang_logits[-1].argmax())).on_cpu()
-        trained = ADAPTERS["speculators"]().load(dirs["speculators"], DTYPE).run(
+        trained = trainer.load(dirs[trainer.checkpoint_format], DTYPE).run(
             batch(training_aux, run.hf_logits[-1].argmax()))
         comparison = compare_traces(served, trained, wiring.case_id)
         return comparison, wiring

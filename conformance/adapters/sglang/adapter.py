@@ -10,14 +10,15 @@ from __future__ import annotations
 import contextlib
 import weakref
 from pathlib import Path
+from types import ModuleType
 from typing import ClassVar
 
 import torch
 
-from conformance.adapters.base import Drafter, TimedPass, chain_drafter, installed_version
+from conformance.adapters.base import AdapterBase, Drafter, TimedPass, chain_drafter
 
 from conformance.core.trace import Trace
-from conformance.adapters.sglang import drafting, weights
+from conformance.adapters.sglang import drafting, engine, settings, target, weights
 from conformance.adapters.sglang.recorder import Recorder, canonical_stages
 from conformance.adapters.sglang.runtime import attention_backend, ensure_runtime, forward_batch_on, forward_pass
 from conformance.checkpoints import WEIGHTS_FILE
@@ -30,22 +31,22 @@ TIMED = ("one draft EXTEND pass: init_forward_metadata + LlamaForCausalLMEagle3.
          "one draft DECODE pass (step 1): init_forward_metadata + forward, B queries over B*(L+1) cached keys")
 
 
-class SGLangAdapter:
+class SGLangAdapter(AdapterBase):
     name: ClassVar[str] = "sglang"
     package: ClassVar[str | None] = "sglang"
     checkpoint_format: ClassVar[str] = "sglang"
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST)
     draft_group: ClassVar[int | None] = None   # its attention runs per request: grouping gains nothing
     serving_decode: ClassVar[bool] = True
-    lane: ClassVar[str] = "cpu"   # in-process in the project's environment: the default lane
+    is_server: ClassVar[bool] = True
+    default_server: ClassVar[bool] = True   # it runs in-process here: its target classes, settings, tree and engine
+    target_capture: ClassVar[ModuleType | None] = target     # its target classes, fed the ids it reads from a draft
+    server_settings: ClassVar[ModuleType | None] = settings  # --sglang-args through SGLang's own ServerArgs
+    engine: ClassVar[ModuleType | None] = engine             # SGLang's real Engine (the engine lane)
     releases: ClassVar[tuple[str, ...]] = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")   # differences: compat.py
     silent_drop: ClassVar[str | None] = ("load_weights loads a tensor only `if param_name in params_dict` "
                                          "(sglang/srt/models/llama_eagle3.py:363, 373) and skips the rest "
                                          "without a word")
-
-    @classmethod
-    def version(cls) -> str | None:
-        return installed_version(cls.package)
 
     def unsupported(self, cfg: Eagle3Config) -> str | None:
         # Knobs SGLang ignores (norm_before_residual, q/k/v bias, ...) are divergences for the

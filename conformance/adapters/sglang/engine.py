@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from conformance.adapters.sglang import engine_shims
+from conformance.adapters.sglang.engine_shims import SHIMS  # noqa: F401  (the engine lane reports them)
 
 # Server arguments every engine of the lane gets (greedy fp32 on CPU; SGLang resolves the rest).
 BASE_ARGS = dict(

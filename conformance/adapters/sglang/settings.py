@@ -2,14 +2,18 @@
 
 The command line goes through SGLang's own parser (ServerArgs.add_cli_args, from_cli_args) and its
 own resolution (resolve_once: the speculative hook included) on CPU, with the target's config and
-the draft's; the effective values are SGLang's resolved_dict(). The serving behaviours of
-eagle3-semantics.md §5 that silently change what a trained draft does are listed next to them.
+the draft's; the effective values are SGLang's resolved_dict(), every field. The serving behaviours of
+eagle3-semantics.md §5 that silently change what a trained draft does are listed next to them. draft_view
+builds the draft as SGLang's EAGLE worker does under the resolved line and under SGLang's defaults, and
+names each setting the build read that changes it, with the user's flag behind it.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -20,7 +24,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from conformance.adapters.sglang import compat
 from conformance.core.areas import ASSERTED
 from conformance.core.common import first_line
 from conformance.core.registry import Known, applicable
@@ -34,11 +37,8 @@ DEFAULT_SGLANG_ARGS = ("--speculative-eagle-topk 1 "
 # flags come after them, so theirs win.
 HOST_ARGS = ("--speculative-algorithm", "EAGLE3", "--device", "cpu", "--attention-backend", "torch_native",
              "--skip-tokenizer-init")
+# The chain's numbers: shown on every report, given or auto-chosen.
 NUMBERS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
-SHOWN = NUMBERS + ("speculative_algorithm", "speculative_token_map", "speculative_draft_window_size",
-                   "speculative_draft_sink_size", "speculative_use_rejection_sampling",
-                   "speculative_accept_threshold_single", "speculative_accept_threshold_acc",
-                   "max_running_requests")
 MISMATCH, NOTE = "mismatch", "note"
 
 
@@ -85,9 +85,10 @@ class EffectiveSettings:
         return [f for f in self.findings if f.verdict == MISMATCH]
 
     def rows(self) -> list[dict]:
-        """Report rows: every shown setting (requested vs effective), then each finding."""
+        """Report rows: the chain's numbers and every setting the line gave (requested vs effective), then
+        each finding."""
         rows = [{"command line": self.command_line, "setting": k, "requested": _show(self.requested.get(k)),
-                 "effective": _show(self.effective.get(k)), "verdict": "", "why": ""} for k in SHOWN]
+                 "effective": _show(self.effective.get(k)), "verdict": "", "why": ""} for k in shown(self)]
         by_setting = {r["setting"]: r for r in rows}
         for f in self.findings:
             row = by_setting.get(f.setting)
@@ -101,6 +102,11 @@ class EffectiveSettings:
 
 def _show(value) -> str:
     return "(not given)" if value is None else str(value)
+
+
+def shown(settings) -> list[str]:
+    """The settings a report shows: the chain's numbers and every one the user's line gave."""
+    return [k for k in settings.effective if k in NUMBERS or settings.requested.get(k) is not None]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -148,20 +154,48 @@ def _environ_restored():
         os.environ.update(before)
 
 
-def resolve(command_line: str, target_dir: Path, draft_dir: Path):
-    """(requested, effective, SGLang's warnings) for a server command line, via SGLang's own parser
-    and ServerArgs.resolve_once() on CPU. The target and draft paths are given unless the line does."""
+@dataclass
+class Resolution:
+    """A server command line as SGLang resolves it for this target and draft."""
+
+    command_line: str
+    server_args: object              # SGLang's ServerArgs after resolve_once()
+    parsed: argparse.Namespace       # the line as SGLang's parser reads it
+    bare: argparse.Namespace         # the line without the user's flags (the host's only)
+    requested: dict                  # every ServerArgs field: the value the user's flags gave it, None where none did
+    effective: dict                  # every ServerArgs field as SGLang resolved it (its resolved_dict())
+    warnings: list[str]              # what SGLang warned while resolving
+
+
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = _Parser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def flag(field: str) -> str:
+    """The command-line flag of ServerArgs field `field`: its longest spelling in SGLang's parser."""
+    spellings = [s for action in _parser()._actions if action.dest == field for s in action.option_strings]
+    return max(spellings, key=len) if spellings else f"--{field.replace('_', '-')}"
+
+
+def resolve_line(command_line: str, target_dir: Path, draft_dir: Path) -> Resolution:
+    """The line through SGLang's own parser and ServerArgs.resolve_once() on CPU. The target and draft
+    paths are given unless the line does; what the line gave is every field its flags moved off the
+    value the line without them parses to."""
     from sglang.srt.server_args import ServerArgs
 
     try:
         user = shlex.split(command_line)
     except ValueError as exc:
         raise CommandLineError(f"--sglang-args: {exc}") from None
-    parser = _Parser(prog="sglang serve")
-    ServerArgs.add_cli_args(parser)
-    argv = ["--model-path", str(target_dir), "--speculative-draft-model-path", str(draft_dir), *HOST_ARGS, *user]
-    server_args = ServerArgs.from_cli_args(parser.parse_args(argv))
-    requested = {k: compat.server_arg(server_args, k) for k in SHOWN}
+    host = ["--model-path", str(target_dir), "--speculative-draft-model-path", str(draft_dir), *HOST_ARGS]
+    bare, parsed = _parser().parse_args(host), _parser().parse_args([*host, *user])
+    requested = {k: v if v != getattr(bare, k) else None for k, v in vars(parsed).items()}
+    server_args = ServerArgs.from_cli_args(parsed)
     warnings: list[str] = []
     with _sglang_warnings(warnings), _environ_restored():
         try:
@@ -169,8 +203,213 @@ def resolve(command_line: str, target_dir: Path, draft_dir: Path):
         except Exception as exc:   # SGLang refuses the combination: its own words, one line
             first = first_line(exc)
             raise CommandLineError(f"--sglang-args: SGLang refuses {command_line!r}: {first}") from None
-    resolved = server_args.resolved_dict()
-    return requested, {k: resolved.get(k) for k in SHOWN}, warnings
+    return Resolution(command_line, server_args, parsed, bare, requested, server_args.resolved_dict(), warnings)
+
+
+def resolve(command_line: str, target_dir: Path, draft_dir: Path):
+    """(requested, effective, SGLang's warnings): resolve_line's."""
+    line = resolve_line(command_line, target_dir, draft_dir)
+    return line.requested, line.effective, line.warnings
+
+
+# ---------------------------------------------------------------- the draft the flags build
+
+@dataclass(frozen=True)
+class DraftReading:
+    """The draft as SGLang builds it under one set of settings, as the EAGLE worker does: the draft's
+    TpModelWorker takes ModelConfig.from_server_args (managers/tp_worker.py _init_model_config), the model
+    class SGLang picks for it, and its runner's KV cache dtype (model_runner.py configure_kv_cache_dtype)."""
+
+    config: dict             # the draft's hf_config, nested keys joined: "rope_parameters.factor" -> 2.0
+    stored: torch.dtype      # the dtype its config says the weights are (SGLang reads float32 where unset)
+    dtype: torch.dtype       # the dtype SGLang computes in
+    quantization: str | None
+    kv_cache_dtype: torch.dtype
+    module: dict             # the model SGLang builds from the config (meta device): "module.attribute" -> value
+
+
+@dataclass(frozen=True)
+class DraftChange:
+    """One resolved setting that builds a different draft than the file's own reading."""
+
+    setting: str                     # the ServerArgs field
+    value: object                    # as resolved for the line
+    default: object                  # as resolved without the user's flags
+    flag: str                        # the user's flag that set it, or that SGLang derived it from ("" if none)
+    read_at: tuple[str, str]         # (module, text of the line) where the draft's build reads the setting
+    derived_by: tuple[str, str] | None   # (module, text of the line) where SGLang's resolution set it, if derived
+    served: DraftReading             # the draft with this setting as resolved and every other as the file's
+
+
+@dataclass(frozen=True)
+class DraftView:
+    file: DraftReading | None        # the draft under SGLang's defaults; None when SGLang cannot build it
+    changes: list[DraftChange]
+    context: int                     # the context the server runs (the target's ModelConfig)
+    draft_context: int | None        # the draft's own (its ModelConfig without the target's)
+    refused: str                     # SGLang's words when it refuses the draft at the server's context
+
+
+class _View:
+    """ServerArgs as the draft's build reads them: `overlay` over SGLang's resolving view of `base`,
+    recording every field read. The overlay holds resolved values, so SGLang's pending declarations
+    (_resolved_overrides) are read through `base` only."""
+
+    def __init__(self, base, overlay: dict | None = None):
+        from sglang.srt.arg_groups.model_override_base import resolving_view
+
+        self._base, self._overlay = resolving_view(base), overlay or {}
+        self.reads: dict[str, tuple[str, str]] = {}   # field -> where it was read: (module, text of the line)
+        self.reader = ("", "{}")   # (module, text of its line, with {} for the field) of the code reading now
+
+    def __getattr__(self, name: str):
+        if name == "_resolved_overrides":
+            return ()
+        self.reads.setdefault(name, (self.reader[0], self.reader[1].format(name)))
+        return self._overlay[name] if name in self._overlay else getattr(self._base, name)
+
+
+_PLAIN = (int, float, str, bool, type(None), torch.dtype)
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in config.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _module(model_config) -> dict:
+    """The draft model SGLang builds from this config, on the meta device and in one dtype (the dtype and
+    the quantization are the reading's own fields): every module's class, plain attributes, parameter
+    and buffer shapes. What the config changes here is what the draft computes differently."""
+    from sglang.srt.model_loader.utils import get_model_architecture, set_default_torch_dtype
+
+    from conformance.adapters.sglang.runtime import ensure_runtime
+
+    ensure_runtime()
+    cls, _ = get_model_architecture(model_config)
+    with set_default_torch_dtype(torch.float32), torch.device("meta"):
+        model = cls(copy.deepcopy(model_config.hf_config))   # the model writes into its config
+    out = {}
+    for name, module in model.named_modules():
+        out[name or "(model)"] = type(module).__name__
+        out.update({f"{name}.{k}": v for k, v in vars(module).items() if not k.startswith("_") and (
+            isinstance(v, _PLAIN) or isinstance(v, (tuple, list)) and all(isinstance(e, _PLAIN) for e in v))})
+        out.update({f"{name}.{k}": tuple(t.shape) for k, t in
+                    [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]})
+    return out
+
+
+def _reading(view, context_length: int | None):
+    """(DraftReading, ModelConfig) of the draft under `view`, as the EAGLE worker builds it."""
+    from sglang.srt.configs.model_config import _STR_DTYPE_TO_TORCH_DTYPE, ModelConfig
+    from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
+
+    view.reader = ("sglang.srt.configs.model_config", "cfg.{}")
+    config = ModelConfig.from_server_args(view, model_path=view.speculative_draft_model_path,
+                                          model_revision=view.speculative_draft_model_revision,
+                                          is_draft_model=True, context_length=context_length)
+    view.reader = ("sglang.srt.model_executor.model_runner", "def configure_kv_cache_dtype(")
+    _, kv = configure_kv_cache_dtype(   # the draft runner's call (model_runner.py configure_kv_cache_dtype)
+        server_args_kv_cache_dtype=view.kv_cache_dtype, model=None, model_dtype=config.dtype, is_draft_worker=True,
+        is_dflash=False, speculative_draft_attention_backend=view.speculative_draft_attention_backend,
+        speculative_draft_kv_cache_dtype=view.speculative_draft_kv_cache_dtype)
+    stored = getattr(config.hf_config, "dtype", None)   # SGLang's reading of it: _get_and_verify_dtype
+    stored = _STR_DTYPE_TO_TORCH_DTYPE.get(stored) if isinstance(stored, str) else stored
+    return DraftReading(_flat(config.hf_config.to_dict()), stored or torch.float32, config.dtype,
+                        config.quantization, kv, _module(config)), config
+
+
+def _quiet_resolution(server_args):
+    """resolve_once, its warnings and environment switches kept out of this process; None if SGLang refuses."""
+    with _sglang_warnings([]), _environ_restored():
+        try:
+            server_args.resolve_once()
+        except Exception:   # a line without one of the user's flags SGLang refuses: that flag decides nothing
+            return None
+    return server_args
+
+
+def _deriving_flag(line: Resolution, setting: str) -> str:
+    """The user's flag without which SGLang resolves `setting` to another value ("" if no single one)."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.server_args import ServerArgs
+
+    served = getattr(resolving_view(line.server_args), setting)
+    for given in (k for k, v in line.requested.items() if v is not None and k != setting):
+        without = copy.copy(line.parsed)
+        setattr(without, given, getattr(line.bare, given))
+        resolved = _quiet_resolution(ServerArgs.from_cli_args(without))
+        if resolved is not None and getattr(resolving_view(resolved), setting) != served:
+            return flag(given)
+    return ""
+
+
+def _declared_by(server_args, setting: str) -> tuple[str, str] | None:
+    """(module, "setting=") of the line of SGLang's resolution that declared `setting` last, if one did: the
+    step's label (the first element of each _resolved_overrides pair) names the arg_groups module it is in."""
+    import importlib.util
+
+    labels = [label for label, declared in getattr(server_args, "_resolved_overrides", None) or ()
+              if setting in declared]
+    if not labels:
+        return None
+    package = Path(importlib.util.find_spec("sglang.srt.arg_groups").origin).parent
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        if f'"{labels[-1]}"' in text and f"{setting}=" in text:
+            name = ".".join(path.relative_to(package.parent.parent.parent).with_suffix("").parts)
+            return name, f"{setting}="
+    return None
+
+
+def draft_view(line: Resolution) -> DraftView:
+    """The draft SGLang builds under the resolved line against the one its file describes (the line without
+    the user's flags: SGLang's defaults), with the server's context. Each setting the draft's build read
+    that the line moved is tried alone on the file's reading; those that change it are the changes, each
+    with the user's flag behind it. The context is not part of the readings (each is built at the draft's
+    own): the server's context is reported with SGLang's refusal, if any."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.server_args import ServerArgs
+
+    context = ModelConfig.from_server_args(line.server_args).context_len   # the target's, as its worker builds it
+    refused = ""
+    try:   # the worker builds the draft at the target's context (speculative/eagle_worker_v2.py EagleDraftWorker)
+        ModelConfig.from_server_args(line.server_args, model_path=line.effective["speculative_draft_model_path"],
+                                     is_draft_model=True, context_length=context)
+    except ValueError as exc:   # SGLang's own refusal, first sentence
+        refused = str(exc).split(". ")[0]
+    bare = ServerArgs.from_cli_args(line.bare)
+    try:
+        file, config = _reading(_View(bare), None)
+    except Exception:   # the file itself: the loading and directory checks say why
+        return DraftView(None, [], context, None, refused)
+    served_view = _View(line.server_args)
+    try:
+        _reading(served_view, config.context_len)
+    except Exception as exc:
+        raise CommandLineError(f"--sglang-args: SGLang cannot build the draft with {line.command_line!r}: "
+                               f"{first_line(exc)}") from None
+    defaults = _View(bare)
+    changes = []
+    for setting, read_at in sorted(served_view.reads.items()):
+        value = getattr(served_view, setting)
+        if value == getattr(defaults, setting):
+            continue
+        try:
+            served, _ = _reading(_View(bare, {setting: value}), config.context_len)
+        except Exception as exc:
+            raise CommandLineError(f"--sglang-args: SGLang cannot build the draft with {setting} {value!r}: "
+                                   f"{first_line(exc)}") from None
+        if served == file:
+            continue
+        given = line.requested.get(setting) is not None
+        changes.append(DraftChange(setting, value, getattr(defaults, setting),
+                                   flag(setting) if given else _deriving_flag(line, setting),
+                                   read_at, None if given else _declared_by(line.server_args, setting),
+                                   served))
+    return DraftView(file, changes, context, config.context_len, refused)
 
 
 def effective_settings(command_line: str, target_dir: Path, draft_dir: Path, facts: DraftFacts) -> EffectiveSettings:
@@ -219,7 +458,7 @@ def findings(requested: dict, effective: dict, warnings: list[str], facts: Draft
                            "the draft is an EAGLE-3 draft (LlamaForCausalLMEagle3)"))
     out += [_registered(e, requested, effective, facts) for e in known if e.setting not in NUMBERS]
     for k in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
-        if effective[k] is not None and effective[k] < 1.0:
+        if effective.get(k) is not None and effective[k] < 1.0:   # a release without the flag: never relaxed
             out.append(Finding(k, requested[k], effective[k], NOTE,
                                "relaxed acceptance when sampling (arg_groups/fields/spec.py:109-116): accept length "
                                "above the greedy chain's"))
@@ -243,7 +482,8 @@ def _registered(entry: Known, requested: dict, effective: dict, facts: DraftFact
     """The finding a registry settings entry makes; embed_tokens is one only where the two embeddings differ."""
     why = f"{entry.reason} [{entry.id}{f', {ASSERTED}' if entry.asserted else ''}]"
     if entry.setting not in ("embed_tokens", "lm_head"):
-        return Finding(entry.setting, requested[entry.setting], effective[entry.setting], MISMATCH, why, entry.id)
+        return Finding(entry.setting, requested.get(entry.setting), effective.get(entry.setting), MISMATCH, why,
+                       entry.id)
     verdict = MISMATCH
     if entry.setting == "embed_tokens":
         draft, target = facts.draft_embed, facts.target_embed

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from conformance.adapters.base import Drafter, TimedPass, batch_on, installed_version, last_rows
+from conformance.adapters.base import AdapterBase, Drafter, TimedPass, batch_on, last_rows
 from conformance.core.trace import Trace, Unsupported
 from conformance.adapters.specforge.recorder import Recorder
 from conformance.adapters.specforge.shims import EAGER_NOTE, LOSS_NOTE, eager, torch_loss
@@ -44,20 +44,16 @@ TIMED = ("OnlineEagle3Model.forward(length=1): fc + TTT step 0 over B padded row
          "TTT step 1 over B padded rows = forward(length=2) - forward(length=1) (training has no decode pass)")
 
 
-class SpecForgeAdapter:
+class SpecForgeAdapter(AdapterBase):
     name: ClassVar[str] = "specforge"
     package: ClassVar[str | None] = "specforge"
     releases: ClassVar[tuple[str, ...]] = ("0.2.0",)
-    lane: ClassVar[str] = "cpu"   # in-process in the project's environment: the default lane
+    is_trainer: ClassVar[bool] = True
     checkpoint_format: ClassVar[str] = "specforge"
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST) - NOT_OBSERVABLE
     draft_group: ClassVar[int | None] = 4   # its attention is dense over [B, S] padded rows
     serving_decode: ClassVar[bool] = False
     silent_drop: ClassVar[str | None] = None   # warm_start_draft_model refuses unexpected keys (model_loading.py:436)
-
-    @classmethod
-    def version(cls) -> str | None:
-        return installed_version(cls.package)
 
     def unsupported(self, cfg: Eagle3Config) -> str | None:
         # One table with SpecForge's checkpoint format, which refuses to write the same knobs.

@@ -9,16 +9,18 @@ from __future__ import annotations
 import contextlib
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import ClassVar
 
 import torch
 from safetensors import safe_open
 
-from conformance.adapters.base import Drafter, TimedPass, batch_on, installed_version, last_rows
+from conformance.adapters.base import AdapterBase, Drafter, TimedPass, batch_on, last_rows
 
 from conformance.core.trace import Trace
 from conformance.adapters.speculators.recorder import Recorder
-from conformance.adapters.speculators.training import FLEX_BLOCK, collate, loss_config, training_layout
+from conformance.adapters.speculators import training
+from conformance.adapters.speculators.training import FLEX_BLOCK, training_layout
 from conformance.checkpoints import WEIGHTS_FILE
 from conformance.core import stages
 from conformance.loading.accounting import (Accounting, load_and_count, observed_knobs, rope_text,
@@ -45,20 +47,17 @@ TIMED = ("Eagle3DraftModel.forward(ttt_steps=1): fc + TTT step 0 over all B*L to
          "TTT step 1 over all B*L tokens = forward(ttt_steps=2) - forward(ttt_steps=1) (training has no decode pass)")
 
 
-class SpeculatorsAdapter:
+class SpeculatorsAdapter(AdapterBase):
     name: ClassVar[str] = "speculators"
     package: ClassVar[str | None] = "speculators"
     checkpoint_format: ClassVar[str] = "speculators"
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST) - NOT_OBSERVABLE
     draft_group: ClassVar[int | None] = 8   # its CPU attention materialises scores over the whole packed batch
     serving_decode: ClassVar[bool] = False
-    lane: ClassVar[str] = "cpu"   # in-process in the project's environment: the default lane
+    is_trainer: ClassVar[bool] = True
+    training: ClassVar[ModuleType | None] = training   # its own training path: trains the acceptance area's draft
     releases: ClassVar[tuple[str, ...]] = ("0.8.0", "0.8.1", "0.9.0")   # the same draft code: no shim needed
     silent_drop: ClassVar[str | None] = None   # its loading is checked tensor by tensor: a drop is a refusal
-
-    @classmethod
-    def version(cls) -> str | None:
-        return installed_version(cls.package)
 
     def unsupported(self, cfg: Eagle3Config) -> str | None:
         # target_hidden_size != hidden_size is not refused here: speculators' own loader fails on
@@ -291,28 +290,3 @@ def teacher_forced_drafter(loaded: LoadedSpeculators) -> Drafter:
         return torch.stack(chain, dim=1)
     return draft
 
-
-def heldout_metrics(ckpt_dir: Path, target_dir: Path, items: list[dict], hidden_size: int, num_aux: int,
-                    steps: int, loss: str) -> dict[str, float]:
-    """speculators' training forward with its loss and metrics on every item, summed (`full_acc_k_sum`,
-    `full_acc_k_total`, `cond_acc_...`).
-
-    The draft loads through the speculators adapter; the teacher (verifier_lm_head = the target's
-    lm_head rows of the draft vocabulary, verifier_norm) through speculators' own
-    load_verifier_weights from the target directory, as `from_training_args` does. One item per
-    forward: speculators' teacher forcing shifts across packed sequences (core.py:332-338).
-    """
-    model = SpeculatorsAdapter().load(ckpt_dir, torch.float32).model
-    model.config.speculators_config.verifier.name_or_path = str(target_dir)
-    model.load_verifier_weights()
-    losses = loss_config(loss)
-    totals: dict[str, float] = {}
-    with torch.no_grad():
-        for item in items:
-            batch = collate([item], hidden_size, num_aux, FLEX_BLOCK)
-            with warnings.catch_warnings():   # flex attention without torch.compile: eager on CPU, as intended
-                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-                _, _, metrics = model(**batch, ttt_steps=steps, loss_config=losses)
-            for name, value in metrics.items():
-                totals[name] = totals.get(name, 0.0) + float(value)
-    return totals

@@ -137,6 +137,32 @@ def train(recipe, model, items: list[dict]) -> list[dict]:
     return log
 
 
+def heldout_metrics(adapter, ckpt_dir: Path, target_dir: Path, items: list[dict], hidden_size: int, num_aux: int,
+                    steps: int, loss: str) -> dict[str, float]:
+    """speculators' training forward with its loss and metrics on every item, summed (`full_acc_k_sum`,
+    `full_acc_k_total`, `cond_acc_...`).
+
+    The draft loads through `adapter` (the speculators adapter, passed in: it imports this module); the
+    teacher (verifier_lm_head = the target's lm_head rows of the draft vocabulary, verifier_norm) through
+    speculators' own load_verifier_weights from the target directory, as `from_training_args` does. One
+    item per forward: speculators' teacher forcing shifts across packed sequences (core.py:332-338).
+    """
+    model = adapter.load(ckpt_dir, torch.float32).model
+    model.config.speculators_config.verifier.name_or_path = str(target_dir)
+    model.load_verifier_weights()
+    losses = loss_config(loss)
+    totals: dict[str, float] = {}
+    with torch.no_grad():
+        for item in items:
+            batch = collate([item], hidden_size, num_aux, FLEX_BLOCK)
+            with warnings.catch_warnings():   # flex attention without torch.compile: eager on CPU, as intended
+                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+                _, _, metrics = model(**batch, ttt_steps=steps, loss_config=losses)
+            for name, value in metrics.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
 @contextlib.contextmanager
 def scored_starts():
     """What speculators' metrics score per start row while heldout_metrics runs (observation only).

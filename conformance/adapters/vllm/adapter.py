@@ -16,17 +16,22 @@ import contextlib
 import weakref
 from importlib import metadata
 from pathlib import Path
-from typing import ClassVar
+from types import MappingProxyType
+from typing import ClassVar, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from conformance.adapters.base import Drafter, TimedPass, cached_prefix, chain_drafter
+from conformance.adapters.base import AdapterBase, Drafter, TimedPass, cached_prefix, chain_drafter
 from conformance.adapters.vllm.process import DTYPE_NAMES, MISSING, Worker, venv, venv_python
 from conformance.core.trace import Trace
 from conformance.core import stages
 from reference.eagle3 import DraftBatch, Eagle3Config
 
+# Why a benchmark shape's pass does not compile on a CPU host (cpu_compile_fails).
+FLEX_CODEGEN = "vllm on cpu: torch 2.14 Inductor's CPU flex-attention template emits C++ that does not compile"
+FLEX_BLOCK_MASK = ("vllm on cpu: torch 2.14 Inductor's flex-attention lowering asserts 'KV seqlen must be smaller "
+                   "than the block_mask size' for 32 requests")
 # What a benchmark times, per step: the pass replayed in the worker and timed there (worker_replay.py).
 TIMED = ("vLLM's step 0 in its worker: combine_hidden_states, the model over every token, compute_logits on each "
          "request's last (timed inside the worker: no pipe)",
@@ -34,10 +39,11 @@ TIMED = ("vLLM's step 0 in its worker: combine_hidden_states, the model over eve
          "the worker: no pipe)")
 
 
-class VLLMAdapter:
+class VLLMAdapter(AdapterBase):
     name: ClassVar[str] = "vllm"
     package: ClassVar[str | None] = "vllm"
     releases: ClassVar[tuple[str, ...]] = ("0.33.0",)
+    is_server: ClassVar[bool] = True
     lane: ClassVar[str] = "vllm"               # its tests run in their own lane (pytest -m vllm, make vllm)
     # Its two model runners read the draft config's aux ids each their own way (wiring.py). V2 first: vLLM picks
     # it wherever Triton is installed and the config needs nothing it lacks (config/vllm.py:731-767), i.e. on a
@@ -50,6 +56,11 @@ class VLLMAdapter:
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST)
     draft_group: ClassVar[int | None] = None
     serving_decode: ClassVar[bool] = True
+    # Benchmark shapes whose pass does not compile on a CPU host (seen in every dtype and size of the sweep): its
+    # attention there is the FLEX_ATTENTION shim (shims.py), which torch 2.14's Inductor compiles; its CPU
+    # flex-attention template fails for these (not vLLM's maths: a CUDA server runs another backend).
+    cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]] = MappingProxyType({
+        (1, 1024): FLEX_CODEGEN, (32, 128): FLEX_BLOCK_MASK, (32, 1024): FLEX_BLOCK_MASK})
     silent_drop: ClassVar[str | None] = ("Eagle3LlamaForCausalLM.load_weights returns no loaded-name set, so "
                                          "DefaultModelLoader's check of uninitialised weights never runs "
                                          "(vllm/model_executor/models/llama_eagle3.py:420-470)")
@@ -66,9 +77,6 @@ class VLLMAdapter:
     def missing(cls) -> str | None:
         """Why this adapter's lane cannot run here (one line), or None."""
         return None if venv_python().exists() else MISSING
-
-    def unsupported(self, cfg: Eagle3Config) -> str | None:
-        return None
 
     def fc_runs(self, cfg: Eagle3Config) -> bool:
         return True   # combine_hidden_states always runs fc (llama_eagle3.py:397-418)
