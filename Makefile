@@ -58,6 +58,14 @@ lint: venv
 test: venv lint
 	$(PYTEST) $(PARALLEL) -m "cpu or engine"
 
+# The fuzz campaign's nightly profile (conformance/meta/test_fuzz_inputs.py; `make test` runs its ci profile, 200
+# mutants in process and 10 through real processes): 5,000 random mutants of every input the verdict reads, in
+# process, then 40 of them through real `pytest --draft-checkpoint` / entry-point processes, 4 of those accepted
+# ones through the whole verdict. Each must end in a verdict or one line naming the file and the field (exit 4).
+.PHONY: nightly
+nightly: venv
+	$(PYTEST) conformance/meta/test_fuzz_inputs.py -k test_no_mutant_crashes_the_verdict --hypothesis-profile=nightly
+
 # Draft throughput (conformance/throughput/test_throughput.py). Figures are stored and compared per machine
 # class under $(BENCH_BASELINES)/<class>/ (`python -m conformance.throughput.throughput` prints this host's), in
 # units of the memory-roofline time measured in the same run: ratios, not seconds. On a CUDA host

@@ -36,6 +36,7 @@ class Entry(Protocol):
     key: str | None
     reads: str | None
     source: str | None
+    asserted: bool
 
 
 # ---------------------------------------------------------------- observations
@@ -58,9 +59,12 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Mismatch:
-    """The kind of slot mismatch between the layers a server feeds and those training used."""
+    """The kind of slot mismatch between the layers a server feeds and those training used; for a server that
+    raised (ERROR_KINDS), the class of its exception (None: not observed) and its one-line message."""
 
     kind: str
+    error: str | None = None
+    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,9 +112,13 @@ SERVER_SETTINGS = ("speculative_num_steps", "speculative_eagle_topk", "speculati
                    "speculative_accept_threshold_single", "speculative_accept_threshold_acc", "max_running_requests")
 WIRING_KINDS = ("config refused", "capture failed", "default list", "slot missing", "one layer shallower",
                 "one layer deeper", "wrong layers")
+ERROR_KINDS = WIRING_KINDS[:2]   # the server raised: an entry of these kinds names the exception and its message
 ACCOUNTING_PROBLEMS = {"dropped silently": "dropped", "never loaded": "never_loaded",
                        "differs from checkpoint": "differs", "NaN/inf after loading": "nan"}   # -> Accounting field
 SETTING_NAMES = frozenset(SERVER_SETTINGS) | {"embed_tokens", "lm_head"}
+# A settings entry no check of this suite shows through the implementation's own code (`asserted = true`): its
+# condition alone flags it, and the support matrix and the verdict say so.
+ASSERTED = "asserted, not observed"
 DRAFT_NAMES = KNOBS | frozenset(SERVER_FLAGS)
 # A reading is of the file as written: its format, the DEFAULTED keys it leaves out, the keys training overrules.
 READING_NAMES = KNOBS | {"format", "absent", "overruled"}
@@ -147,9 +155,14 @@ def _match_load(known: Sequence[Entry], seen: Refusal) -> Match:
 
 
 def _match_wiring(known: Sequence[Entry], seen: Mismatch) -> Match:
-    # The first applicable entry decides (entries of one place are ordered most specific first in the file).
+    # The first applicable entry decides (entries of one place are ordered most specific first in the file); an
+    # entry of an error kind only with its exception class and a message its pattern is found in.
     wiring = [e for e in known if e.area == "wiring"]
-    return Match([wiring[0]]) if wiring and wiring[0].kind == seen.kind else Match(unexplained=[seen.kind])
+    entry = wiring[0] if wiring else None
+    if entry is not None and entry.kind == seen.kind and (entry.error is None or (
+            seen.error == entry.error and re.search(entry.message, seen.message))):
+        return Match([entry])
+    return Match(unexplained=[f"{seen.kind}: {seen.message}" if seen.message else seen.kind])
 
 
 def _match_accounting(known: Sequence[Entry], seen: AccountingProblems) -> Match:
@@ -214,6 +227,25 @@ def _check_reading(item: Mapping) -> tuple[str, str] | None:
     return _check_load(item)
 
 
+def _check_wiring(item: Mapping) -> tuple[str, str] | None:
+    if problem := _one_of("kind", WIRING_KINDS)(item):
+        return problem
+    raised = item["kind"] in ERROR_KINDS
+    for name in ("error", "message"):
+        if (name in item) != raised:
+            return name, (f"a {item['kind']!r} entry names the exception its server raises (error, message)" if raised
+                          else f"only an entry of an error kind {list(ERROR_KINDS)} names an exception")
+    return _check_load(item)
+
+
+def _check_setting(item: Mapping) -> tuple[str, str] | None:
+    if problem := _one_of("setting", SETTING_NAMES)(item):
+        return problem
+    if "asserted" in item and not (item["asserted"] is True and "shown_by" not in item):
+        return "asserted", f"{item['asserted']!r}: only `true`, on an entry no comparison shows (no shown_by)"
+    return None
+
+
 def _check_tensors(item: Mapping) -> tuple[str, str] | None:
     problem = _one_of("problem", ACCOUNTING_PROBLEMS)(item)
     value = item.get("tensors")
@@ -262,14 +294,15 @@ AREAS: dict[str, Area] = {a.name: a for a in (
          cell=lambda e: f"refused at load: {e.error} ({e.id})", rank=LOADING, validate=_check_load,
          optional=("neutral",)),
     Area("wiring", ("kind",), WIRING_NAMES, Mismatch, _match_wiring,
-         place=lambda e: str(e.kind), cell=lambda e: f"{e.kind} ({e.id})", rank=WIRING,
-         validate=_one_of("kind", WIRING_KINDS)),
+         place=lambda e: str(e.kind) + (f": {e.error} /{e.message}/" if e.error else ""),
+         cell=lambda e: f"{e.kind} ({e.id})", rank=WIRING, validate=_check_wiring, optional=("error", "message")),
     Area("accounting", ("problem", "tensors"), DRAFT_NAMES, AccountingProblems, _match_accounting,
          place=lambda e: f"{e.problem}: {', '.join(e.tensors)}",
          cell=lambda e: f"weight accounting: {e.problem} ({e.id})", rank=LOADING, validate=_check_tensors),
     Area("settings", ("setting",), KNOBS | frozenset(SERVER_SETTINGS) | {"config_has_draft_vocab_size"}, Setting,
-         _match_setting, place=lambda e: str(e.setting), cell=lambda e: f"served differently: {e.setting} ({e.id})",
-         rank=SETTINGS, validate=_one_of("setting", SETTING_NAMES), optional=("shown_by",)),
+         _match_setting, place=lambda e: str(e.setting),
+         cell=lambda e: f"served differently: {e.setting} ({e.id}" + (f", {ASSERTED})" if e.asserted else ")"),
+         rank=SETTINGS, validate=_check_setting, optional=("shown_by", "asserted")),
     Area("reading", ("key", "reads"), READING_NAMES, Reading, _match_reading,
          place=lambda e: f"reads {e.key} as {e.reads}",
          cell=lambda e: f"reads {e.key} as {e.reads} ({e.source or 'observed'}; {e.id})", rank=READING,

@@ -38,9 +38,10 @@ def match_load(known: Sequence[Known], error: str | None, message: str) -> Known
     return hits[0] if hits else None
 
 
-def match_wiring(known: Sequence[Known], kind: str) -> Known | None:
-    """The first applicable wiring entry, when the observed mismatch is its kind."""
-    hits = judge("wiring", known, Mismatch(kind)).hits
+def match_wiring(known: Sequence[Known], seen: Mismatch) -> Known | None:
+    """The first applicable wiring entry, when the observed mismatch is its kind (and, for an error, its exception
+    class and message)."""
+    hits = judge("wiring", known, seen).hits
     return hits[0] if hits else None
 
 

@@ -57,6 +57,7 @@ class Known:
     reads: str | None = None       # reading: what the implementation takes it to mean
     fix: str | None = None         # reading: the key to write so that every implementation reads it alike
     source: str | None = None      # reading: "observed" (default) or "read from code"
+    asserted: bool = False     # settings: known from its condition alone, not observed (areas.ASSERTED)
     neutral: tuple[tuple[str, str], ...] = ()   # (knob or server flag, expression over the names), sorted
     neutral_weights: tuple[str, ...] = ()       # stored tensor names (regexes, searched) set to ones instead
 
@@ -134,8 +135,8 @@ def _check(item: dict, area: str, where: str) -> None:
         elif field == "neutral_weights" and field in item and not (
                 isinstance(value, list) and value and all(isinstance(t, str) for t in value) and "neutral" not in item):
             bad(field, f"{value!r} is not a non-empty list of tensor-name patterns (and not beside 'neutral')")
-        elif field not in ("step", "tensors", "neutral", "neutral_weights") and field in item and not isinstance(
-                value, str):
+        elif field not in ("step", "tensors", "neutral", "neutral_weights", "asserted") and field in item and not \
+                isinstance(value, str):
             bad(field, f"{value!r} is not a string")
     if _IMPLEMENTATIONS:   # the registry read at import is checked when the adapters name them (use_implementations)
         _check_impl(item["impl"], where)

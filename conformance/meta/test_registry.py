@@ -4,7 +4,9 @@ Every entry must decide a case and show, on every case it decides and in every d
 and signature it registers (so removing it turns those cases into failures that name it). Planted
 entries show that a wrong, too broad or out-of-range entry hides nothing; a malformed file is one line.
 Settings entries are about serving behaviour a CPU run cannot observe (beyond SGLang's own resolution):
-each must flag a command line or draft of the suite, and `shown_by` names the comparison that shows it.
+each must flag a command line or draft of the suite, and `shown_by` names the comparison that shows it; one
+that neither SGLang's resolution nor a comparison shows is labelled `asserted = true` ("asserted, not
+observed" in the support matrix and the verdict).
 """
 from __future__ import annotations
 
@@ -187,7 +189,9 @@ def test_wiring_entries_show_exactly_what_they_register(entry, wiring, tmp_path)
             comparison = wiring.capture_ids_only(target, case, fmt)
         else:
             comparison, _ = wiring.serve(target, case, fmt)
-        assert comparison.kind == entry.kind, f"{entry.id}: {comparison.case_id} shows {comparison.kind}"
+        assert match_wiring((entry,), comparison.observed) is entry, (
+            f"{entry.id}: {comparison.case_id} shows {comparison.kind}"
+            + (f" ({comparison.error_class}: {comparison.error})" if comparison.error else "") + f", not {entry.place}")
 
 
 def test_a_wiring_entry_does_not_hide_another_kind_of_mismatch(wiring, repro):
@@ -201,7 +205,7 @@ def test_a_wiring_entry_does_not_hide_another_kind_of_mismatch(wiring, repro):
     target, case, fmt = TARGETS_BY_ID["llama"], WIRING_CASES["speculators_explicit"], "sglang_input_ids"
     known = known_wiring(target, case, fmt)
     comparison, aux = wiring.serve(target, case, fmt)
-    assert comparison.kind == DEEPER and match_wiring(known, DEEPER) is known[0]
+    assert comparison.kind == DEEPER and match_wiring(known, comparison.observed) is known[0]
     with pytest.raises(KnownDivergenceHit):
         assert_wiring(comparison, known, Report(), repro)
     states = wiring.target(target).states
@@ -211,6 +215,32 @@ def test_a_wiring_entry_does_not_hide_another_kind_of_mismatch(wiring, repro):
     with pytest.raises(AssertionError) as info:
         assert_wiring(cut, known, Report(), repro)
     assert not isinstance(info.value, KnownDivergenceHit), str(info.value)
+
+
+def test_an_error_wiring_entry_matches_only_its_exception(wiring, repro):
+    """SGLang refuses a speculators-format config (registered: its ValueError and message). Planted: the same
+    entry with another exception class, or another message, and the same refusal observed with another class
+    or message, are not that entry: each fails as unexplained, never as the known hit."""
+    from conformance.wiring.cases import CASES_BY_ID as WIRING_CASES, REFUSED, known_wiring
+    from conformance.wiring.test_wiring import assert_wiring
+    from fixtures.targets import TARGETS_BY_ID
+
+    target, case, fmt = TARGETS_BY_ID["llama"], WIRING_CASES["speculators_explicit"], "speculators"
+    known = known_wiring(target, case, fmt)
+    comparison, _ = wiring.serve(target, case, fmt)
+    assert comparison.kind == REFUSED and known[0].error and match_wiring(known, comparison.observed) is known[0]
+    with pytest.raises(KnownDivergenceHit):
+        assert_wiring(comparison, known, Report(), repro)
+    other_class = dataclasses.replace(known[0], error="KeyError")
+    other_message = dataclasses.replace(known[0], message="Should have a `tokenizer_class` key")
+    raised_otherwise = dataclasses.replace(comparison, error_class="TypeError")
+    said_otherwise = dataclasses.replace(comparison, error=comparison.error.replace("model_type", "architectures"))
+    for against, seen in (((other_class,), comparison), ((other_message,), comparison), (known, raised_otherwise),
+                           (known, said_otherwise)):
+        assert seen.kind == REFUSED and match_wiring(against, seen.observed) is None, (against[0].place, seen.error)
+        with pytest.raises(AssertionError) as info:
+            assert_wiring(seen, against, Report(), repro)
+        assert not isinstance(info.value, KnownDivergenceHit), str(info.value)
 
 
 # ---------------------------------------------------------------- weight accounting
@@ -280,12 +310,21 @@ def settings_probes(trained_draft) -> dict[str, list]:
 
 @pytest.mark.parametrize("entry", entries("settings"), ids=by_id)
 def test_settings_entries_flag_a_probe(entry, settings_probes):
+    """Each entry flags a probe, and says how the suite knows it: observed by SGLang's own resolution (a setting
+    it resolves: the finding needs the resolution to change it), shown by a comparison (shown_by), or else
+    labelled `asserted = true` (its condition alone flags it; the support matrix and the verdict say so)."""
+    from conformance.adapters.sglang.settings import NUMBERS
+
     fired = [probe for probe, found in settings_probes.items() if any(f.entry == entry.id for f in found)]
     assert fired, f"{entry.id}: flags no command line or draft of the suite"
     if entry.shown_by is not None:
         shown = next(e for e in REGISTRY if e.id == entry.shown_by)
         assert shown.area in ("draft", "tree", "load") and shown.impl == entry.impl, (
             f"{entry.id}: shown_by {shown.id} is not a comparison of {entry.impl}")
+    observed = entry.setting in NUMBERS or entry.shown_by is not None
+    assert entry.asserted != observed, (
+        f"{entry.id}: " + ("observed, yet labelled asserted" if observed else
+                           "neither resolved by SGLang nor shown by a comparison: label it `asserted = true`"))
 
 
 # ---------------------------------------------------------------- readings of one file
@@ -378,14 +417,19 @@ ENTRY = 'id="x"\nimpl="sglang"\nversions="==0.5.23"\nreason="r"\n'
     ('[[known]]\narea="load"\n' + ENTRY + 'when="mlp_bias"\nerror="ValueError"\nmessage="(unclosed"\n', "message"),
     ('[[known]]\narea="wiring"\n' + ENTRY + 'when="format == 1"\nkind="sideways"\n', "kind"),
     ('[[known]]\narea="wiring"\n' + ENTRY + 'when="mlp_bias"\nkind="slot missing"\n', "mlp_bias"),
+    ('[[known]]\narea="wiring"\n' + ENTRY + 'when="format == 1"\nkind="capture failed"\n', "error"),
+    ('[[known]]\narea="wiring"\n' + ENTRY + 'when="format == 1"\nkind="slot missing"\nerror="TypeError"\n'
+     'message="x"\n', "error"),
     ('[[known]]\narea="accounting"\n' + ENTRY + 'when="mlp_bias"\nproblem="lost"\ntensors=["x"]\n', "problem"),
     ('[[known]]\narea="accounting"\n' + ENTRY + 'when="mlp_bias"\nproblem="never loaded"\ntensors=[]\n', "tensors"),
     ('[[known]]\narea="settings"\n' + ENTRY + 'when="mlp_bias"\nsetting="speculative_nonsense"\n', "setting"),
     ('[[known]]\narea="settings"\n' + ENTRY + 'when="mlp_bias"\nsetting="lm_head"\nshown_by="nothing"\n', "shown_by"),
+    ('[[known]]\narea="settings"\n' + ENTRY + 'when="mlp_bias"\nsetting="lm_head"\nasserted="yes"\n', "asserted"),
     ('[[divergence]]\n' + ENTRY, "[[known]]"),
     ('[[known]\n', "not valid TOML"),
 ], ids=["unknown_knob", "call", "unknown_impl", "unknown_stage", "missing_field", "bad_range", "unknown_area",
-        "bad_regex", "bad_kind", "name_of_another_area", "bad_problem", "no_tensors", "bad_setting", "bad_shown_by",
+        "bad_regex", "bad_kind", "name_of_another_area", "error_kind_without_exception", "exception_on_other_kind",
+        "bad_problem", "no_tensors", "bad_setting", "bad_shown_by", "bad_asserted",
         "old_table", "bad_toml"])
 def test_a_malformed_registry_is_a_one_line_error(text, field, tmp_path: Path):
     path = tmp_path / "registry.toml"

@@ -13,7 +13,9 @@ could have written it named. A flag that changes the draft SGLang builds, none o
 KV cache, a rope override meant for the target, a quantization SGLang derives for the draft) is a problem
 naming the setting and the user's flag behind it. A valid file two implementations read differently (a tie
 flag with a pruned vocabulary and its own head; vLLM's reading of an absent key, in vLLM's lane) is one
-problem naming each reading and the key to write.
+problem naming each reading and the key to write. Where users run it, from a directory outside the repository
+and without pytest-xdist: pytest with the space form of --draft-checkpoint (its plugin loaded by its pytest11
+entry point) and the entry point `eagle3-conformance check`.
 The seed, from files: a draft trained on [embed, 3, 31] whose config.json was rewritten to ids SGLang
 turns into [3, 31, 59] on the real Kimi-K2.5 config is exactly that slot-by-slot problem, and the draft
 rewired as the verdict says exits 0; the seed's server flags on a user draft show the 16 -> 2 draft
@@ -59,13 +61,36 @@ SEED_ARGS = "--speculative-eagle-topk 1 --speculative-num-steps 1 --speculative-
 TRAINED_ON = "--trained-aux-layers=embed,3,31"
 
 
-def run_pytest(*args: str, timeout: int = 600, module: str = "pytest", **env: str) -> subprocess.CompletedProcess:
-    """pytest (or `module`: the entry point) as a user runs it, from the repository root, one thread per process;
-    `env`: further environment variables."""
+def run_pytest(*args: str, timeout: int = 600, module: str = "pytest", cwd: Path = ROOT,
+               **env: str) -> subprocess.CompletedProcess:
+    """pytest (or `module`: the entry point) as a user runs it, from the repository root (or `cwd`), one thread per
+    process; `env`: further environment variables."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
     plugins = ("-p", "no:cacheprovider") if module == "pytest" else ()
-    return subprocess.run([sys.executable, "-m", module, *plugins, *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", module, *plugins, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+# How a user runs the verdict (Plant.how): make check's `pytest --draft-checkpoint=DIR` from the repository; from
+# a directory outside it, `pytest -m cpu --draft-checkpoint DIR` (the option's space form; the plugin loaded by
+# its pytest11 entry point) or the entry point `eagle3-conformance check DIR`, both with pytest-xdist disabled
+# (a development tool a serving environment need not have, Makefile DEV_TOOLS).
+MAKE_CHECK, PYTEST_OUTSIDE, ENTRY_POINT_OUTSIDE = "make check", "pytest outside", "entry point outside"
+NO_XDIST = ("-p", "no:xdist")
+
+
+def run_as_user(how: str, draft: Path, args: tuple[str, ...], report: Path,
+                outside: Path) -> subprocess.CompletedProcess:
+    """The verdict on `draft` as `how` runs it, its report in `report`; `outside`: an empty directory outside the
+    repository."""
+    if how == MAKE_CHECK:
+        return run_pytest(f"--draft-checkpoint={draft}", f"--report={report}", *args)
+    outside.mkdir(parents=True)
+    if how == PYTEST_OUTSIDE:
+        return run_pytest(*NO_XDIST, "-m", "cpu", "--draft-checkpoint", str(draft), "--report", str(report), *args,
+                          cwd=outside)
+    return run_pytest("check", str(draft), *args, "--report", str(report), "--", *NO_XDIST, module="conformance.cli",
+                      cwd=outside)
 
 
 @dataclass(frozen=True)
@@ -83,6 +108,7 @@ class Plant:
     absent: tuple[str, ...] = ()         # what the verdict block must not say
     written: tuple[tuple[str, object], ...] = ()   # config.json keys rewritten as a user wrote them (ABSENT: removed)
     lane: str | None = None              # an implementation's own lane it needs (its tests' marker: plugin.own_lanes)
+    how: str = MAKE_CHECK                # how the user runs it (run_as_user)
 
 
 PLANTED = [
@@ -133,6 +159,16 @@ ISSUE_23 = [
           ("could have been trained by specforge 0.2.0", "not by speculators 0.9.0 (its loader refuses it: "
            "speculators-fc-ignores-target-hidden-size)"), unchecked=(WIRING, FLAGS),
           knobs=(("target_hidden_size", 32),), absent=("cannot load this draft",)),
+]
+# Issue 23's wrong points 9 and 10, where users run it: from a directory outside the repository, without
+# pytest-xdist, pytest with the space form of --draft-checkpoint (the plugin crashed on xdist's hook, or was not
+# loaded at all) and the entry point, each on a clean draft. (Wrong point 7, bad input that crashed, is
+# meta/test_fuzz_inputs.py's regressions through real processes; 8 is meta/test_registry.py's exact matches.)
+ISSUE_23 += [
+    Plant("pytest_outside_the_repository", "sglang", None, NOT_CHECKED, 0, (), unchecked=(WIRING, FLAGS),
+          how=PYTEST_OUTSIDE),
+    Plant("entry_point_outside_the_repository", "sglang", None, 0, 0, (),
+          ("--target-config", str(LLAMA), "--sglang-args", CHAIN_ARGS), how=ENTRY_POINT_OUTSIDE),
 ]
 # Server settings that change the draft whatever the flag is called, none of them speculative_*: SGLang builds
 # the draft with the target's flags (conformance/user/settings.py, the draft SGLang builds).
@@ -188,8 +224,9 @@ def runs(tmp_path_factory, request) -> dict[str, Future]:
 
     def run(case: Plant, draft: Path):
         start = time.perf_counter()
-        result = run_pytest(f"--draft-checkpoint={draft}", f"--report={root / case.id / 'report'}", *case.args)
-        return result, time.perf_counter() - start, root / case.id / "report"
+        report = root / case.id / "report"
+        result = run_as_user(case.how, draft, case.args, report, root / f"{case.id}-cwd")
+        return result, time.perf_counter() - start, report
 
     # The drafts are written here, one after the other: only the subprocesses run in threads (a first import
     # of a transformers class from two threads at once can fail inside its lazy module).

@@ -335,8 +335,9 @@ def _registered(requested: dict, effective: dict, cfg, draft_dir: Path, found: l
 
 
 def _registered_problem(entry: registry.Known, evidence: str, fix: str, key: str = "") -> Problem:
+    how = f" ({areas.ASSERTED}: no check here runs SGLang's code for it)" if entry.asserted else ""
     return Problem(f"SGLang serves {entry.setting} otherwise than the draft was trained ({entry.id})",
-                   f"server setting: {entry.setting}", f"{evidence}; the registry's condition holds: {entry.when}",
+                   f"server setting: {entry.setting}", f"{evidence}; the registry's condition holds: {entry.when}{how}",
                    entry.reason, fix, SETTINGS, key=key or f"settings:{entry.setting}", known=entry.id,
                    impl=DEFAULT_SERVER)
 

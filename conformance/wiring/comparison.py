@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conformance.adapters import ADAPTERS, DEFAULT_SERVER
+from conformance.core.areas import Mismatch
 from conformance.core.compare import OK, StageResult, compare_tensors
 
 from conformance.wiring.cases import (
@@ -40,6 +41,7 @@ class WiringComparison:
     slots: list[SlotResult] = field(default_factory=list)
     derived: bool = False     # serving list derived from layers_to_capture (no forward ran)
     trained: str = ""         # how training captured, readable (WiringCase.describe)
+    error_class: str = ""     # the class of the exception the server raised (with `error`: its one-line message)
 
     @property
     def ok(self) -> bool:
@@ -67,6 +69,11 @@ class WiringComparison:
             if all(s == t + 1 for s, t in zip(serving, self.training)):
                 return DEEPER
         return WRONG
+
+    @property
+    def observed(self) -> Mismatch:
+        """What the registry's wiring entries match: the kind, and for an error its exception class and message."""
+        return Mismatch(self.kind, self.error_class or None, self.error)
 
     def lists(self) -> str:
         serving = "(none)" if self.serving is None else layer_list(self.serving)

@@ -56,7 +56,7 @@ def served_comparison(impl: str, target: TargetSpec, case: WiringCase, fmt: str,
                             # compared as boundary lists (derived=True): an observed list too, since its states
                             # were matched to boundaries of vLLM's own forward, not to training's tensors
                             error=served["error"], kind_of_error=error_kind, derived=True,
-                            trained=case.describe()), served
+                            trained=case.describe(), error_class=served["error_class"]), served
 
 
 def message(impl: str, comparison: WiringComparison, repro: str, observed: bool = False) -> str:
@@ -96,7 +96,7 @@ def test_server_feeds_what_training_captured(impl, runner, target, case, fmt, wi
     else:
         sglang, _ = wiring.serve(target, case, fmt)
     ok, kind = comparison.ok, comparison.kind
-    hit = None if ok else match_wiring(known(impl, target, case, fmt, runner)[:1], kind)
+    hit = None if ok else match_wiring(known(impl, target, case, fmt, runner)[:1], comparison.observed)
     outcome = "pass" if ok else (f"known: {kind}" if hit else f"FAIL: {kind}")
     report.add_row(Section.WIRING_SERVERS, {
         "Case": comparison.case_id, "training captured": layer_list(case.boundaries),

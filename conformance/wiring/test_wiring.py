@@ -24,11 +24,11 @@ def params(triples):
 
 
 def assert_wiring(comparison: WiringComparison, known: tuple[Known, ...], report, repro: str) -> None:
-    """Record the case's row and fail with both layer lists; only the registered kind of mismatch raises
-    KnownDivergenceHit (registry.match_wiring)."""
+    """Record the case's row and fail with both layer lists; only the registered kind of mismatch (for an error,
+    its exception class and message) raises KnownDivergenceHit (matching.match_wiring)."""
     __tracebackhide__ = True
     kind = comparison.kind
-    hit = None if comparison.ok else match_wiring(known, kind)
+    hit = None if comparison.ok else match_wiring(known, comparison.observed)
     outcome = "pass" if comparison.ok else (f"known: {kind}" if hit else f"FAIL: {kind}")
     report.add_row(Section.WIRING, comparison.row(outcome))
     if comparison.ok:
@@ -85,7 +85,7 @@ def test_end_to_end_logits(target, case, fmt, wiring, report, repro):
     logits = [r for r in comparison.results if r.stage == "logits"]
     # Known only when SGLang's capture shows the registered kind and the draft first differs at its input.
     at_input = first is not None and (first.step, first.stage) == (0, "aux_in")
-    hit = match_wiring(known, wiring_result.kind) if at_input and not wiring_result.ok else None
+    hit = match_wiring(known, wiring_result.observed) if at_input and not wiring_result.ok else None
     report.add_row(Section.WIRING_END_TO_END, {
         "Case": comparison.case_id, "training captured": layer_list(case.boundaries),
         "SGLang captured": "-" if wiring_result.serving is None else layer_list(wiring_result.serving),

@@ -81,14 +81,14 @@ class WiringStore:
             aux_ids = TARGET.sglang_aux_layer_ids(self.draft_dir(case, fmt), self.root)
         except TARGET.DraftConfigRefused as exc:
             return WiringComparison(case_id, case.boundaries, "nothing", None, None, f"{fmt}/config.json: {exc}",
-                                    REFUSED), None
+                                    REFUSED, error_class=exc.error), None
         run.sglang.set_capture(aux_ids)
         read, layers = describe_read(aux_ids), tuple(run.sglang.layers_to_capture)
         try:
             aux, _ = self.forward(run, aux_ids.use_aux)
         except TARGET.CaptureFailed as exc:
             return WiringComparison(case_id, case.boundaries, read, layers, None, f"target forward: {exc}",
-                                    CAPTURE_FAILED), None
+                                    CAPTURE_FAILED, error_class=exc.error), None
         return compare_capture(case_id, case.boundaries, run.states, aux, read, layers), aux
 
     def forward(self, run: TargetRun, use_aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +109,7 @@ class WiringStore:
             aux_ids = TARGET.sglang_aux_layer_ids(self.draft_dir(case, fmt), self.root)
         except TARGET.DraftConfigRefused as exc:
             return WiringComparison(case_id, case.boundaries, "nothing", None, None, f"{fmt}/config.json: {exc}",
-                                    REFUSED, derived=True)
+                                    REFUSED, derived=True, error_class=exc.error)
         target.set_capture(aux_ids)
         layers = tuple(target.layers_to_capture)
         served = tuple(boundary_name(b) for b in sorted({b for b in layers if 0 <= b <= N}))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from conformance.core.areas import ASSERTED
 from conformance.core.common import first_line
 from conformance.core.registry import Known, applicable
 from reference.eagle3 import Eagle3Config
@@ -479,7 +480,7 @@ def settings_names(effective: dict, facts: DraftFacts) -> dict[str, object]:
 
 def _registered(entry: Known, requested: dict, effective: dict, facts: DraftFacts) -> Finding:
     """The finding a registry settings entry makes; embed_tokens is one only where the two embeddings differ."""
-    why = f"{entry.reason} [{entry.id}]"
+    why = f"{entry.reason} [{entry.id}{f', {ASSERTED}' if entry.asserted else ''}]"
     if entry.setting not in ("embed_tokens", "lm_head"):
         return Finding(entry.setting, requested.get(entry.setting), effective.get(entry.setting), MISMATCH, why,
                        entry.id)

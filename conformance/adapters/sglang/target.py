@@ -21,12 +21,21 @@ from conformance.core.common import first_line
 from fixtures.targets import TargetSpec
 
 
-class DraftConfigRefused(Exception):
-    """SGLang's own reader refused the draft's config.json; the message is one line."""
+class SGLangRaised(Exception):
+    """SGLang's own code raised: the message is one line, `error` the class of what SGLang raised (what a
+    registry wiring entry of an error kind matches, with its message)."""
+
+    def __init__(self, message: str, error: str):
+        super().__init__(message)
+        self.error = error
 
 
-class CaptureFailed(Exception):
-    """SGLang's target forward raised while capturing; the message is one line."""
+class DraftConfigRefused(SGLangRaised):
+    """SGLang's own reader refused the draft's config.json."""
+
+
+class CaptureFailed(SGLangRaised):
+    """SGLang's target forward raised while capturing."""
 
 
 def one_line(exc: BaseException, *strip: str) -> str:
@@ -68,7 +77,8 @@ def sglang_aux_layer_ids(draft_dir: Path, root: Path | None = None) -> AuxIds:
                 server_args=server_args, model_config=None, spec_algorithm=SpeculativeAlgorithm.EAGLE3,
                 is_draft_worker=False)
     except Exception as exc:  # SGLang's reader: keep its own words, on one line
-        raise DraftConfigRefused(one_line(exc, *(str(p) for p in (root, draft_dir) if p))) from None
+        raise DraftConfigRefused(one_line(exc, *(str(p) for p in (root, draft_dir) if p)),
+                                type(exc).__name__) from None
     ids = resolved.eagle_aux_hidden_state_layer_ids
     return AuxIds(bool(resolved.eagle_use_aux_hidden_state), None if ids is None else tuple(int(i) for i in ids))
 
@@ -187,7 +197,7 @@ class SGLangTarget:
             for start, end, decode in splits:
                 outs.append(self._pass(backend, input_ids, start, end, decode))
         except Exception as exc:  # SGLang's own forward: keep its words, on one line
-            raise CaptureFailed(one_line(exc)) from None
+            raise CaptureFailed(one_line(exc), type(exc).__name__) from None
         return torch.cat([o.hidden_states for o in outs]).cpu(), outs[-1].next_token_logits.cpu()
 
     def notes(self) -> list[str]:

@@ -42,7 +42,8 @@ def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int, run
     0..num_layers it then feeds the draft.
 
     Returns {"read": readable, "ids": the ids its runner passes (None: the target's default), "served":
-    boundaries in slot order, "error": one line when vLLM refuses the config or the capture fails, "observed":
+    boundaries in slot order, "error": one line when vLLM refuses the config or the capture fails, "error_class":
+    the class of what vLLM raised ("" when nothing did), "observed":
     whether a forward of vLLM's target class gave "served" (else derived, "derived_why" says why), "derived":
     the derived list (equal to "served" where observed, which the wiring tests require)}."""
     import json
@@ -53,8 +54,8 @@ def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int, run
         answer = worker.ask("aux_layers", **where, work=str(worker.scratch()))
     except Exception as exc:   # vLLM refused the draft or target config: its own words, one line
         return {"read": "nothing", "ids": None, "served": None, "error": f"{type(exc).__name__}: {exc}",
-                "reading": {}, "observed": False, "derived": None, "derived_why": "vLLM refused the config",
-                "reader": READER[runner]}
+                "error_class": type(exc).__name__, "reading": {}, "observed": False, "derived": None,
+                "derived_why": "vLLM refused the config", "reader": READER[runner]}
     ids = answer["ids"]
     used = tuple(ids) if ids is not None else tuple(answer["default"])
     where_read = ("top level or eagle_config" if runner == "v1" else
@@ -63,19 +64,22 @@ def served_boundaries(draft_dir: Path, target_config: Path, num_layers: int, run
             if ids is not None else f"no ids: the target's default {list(answer['default'])}")
     served = tuple(b for b in sorted(set(used)) if 0 <= b <= num_layers)
     architecture = (json.loads(Path(target_config).read_text()).get("architectures") or [""])[0]
-    error = ""
-    if 0 in served and architecture in NO_EMBEDDING_CAPTURE:
-        error = ("target forward: id 0 adds a None residual before the first layer (deepseek_v2.py:1561-1562): "
-                 "TypeError")
+    error = error_class = ""
+    if 0 in served and architecture in NO_EMBEDDING_CAPTURE:   # `hidden_states + residual`, residual None
+        error_class = "TypeError"
+        error = ("target forward: TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType' (derived: "
+                 "id 0 adds a None residual before the first layer, deepseek_v2.py:1561-1562)")
         served = None
     if answer["v2_unsupported"] and runner == "v2":   # vLLM itself would run V1 for this config
         read += f"; note: vLLM runs its V1 runner for this config ({', '.join(answer['v2_unsupported'])})"
-    derived = {"read": read, "ids": ids, "served": served, "error": error, "reading": answer["reading"],
-               "observed": False, "derived": served, "reader": READER[runner]}
+    derived = {"read": read, "ids": ids, "served": served, "error": error, "error_class": error_class,
+               "reading": answer["reading"], "observed": False, "derived": served, "reader": READER[runner]}
     seen = worker.ask("capture", **where, work=str(worker.scratch()))
     if not seen["ran"]:
         return {**derived, "derived_why": f"vLLM's target class does not run here: {seen['why']}"}
     observed, error = None if seen["served"] is None else tuple(seen["served"]), seen["error"]
-    if observed is not None and -1 in observed:
-        observed, error = None, f"aux states matching no boundary exactly (slots {seen['served']}, -1: none)"
-    return {**derived, "served": observed, "error": error, "observed": True}
+    error_class = seen["error_class"]
+    if observed is not None and -1 in observed:   # nothing raised: no exception class
+        observed, error, error_class = None, f"aux states matching no boundary exactly (slots {seen['served']}, " \
+            "-1: none)", ""
+    return {**derived, "served": observed, "error": error, "error_class": error_class, "observed": True}

@@ -98,7 +98,7 @@ def capture(req: dict) -> dict:
     except Exception as exc:   # the capture itself fails (e.g. a None residual): vLLM's own words
         traceback.print_exc()
         return {"ran": True, "ids": list(ids), "served": None, "error": f"{type(exc).__name__}: {first_line(exc)}",
-                "architecture": type(model).__name__}
+                "error_class": type(exc).__name__, "architecture": type(model).__name__}
     finally:
         for h in handles:
             h.remove()
@@ -107,4 +107,5 @@ def capture(req: dict) -> dict:
     for state in aux:
         same = [b for b, s in sorted(streams.items()) if s.shape == state.shape and torch.equal(s, state)]
         served.append(same[0] if len(same) == 1 else -1)   # -1: no single boundary holds exactly this state
-    return {"ran": True, "ids": list(ids), "served": served, "error": "", "architecture": type(model).__name__}
+    return {"ran": True, "ids": list(ids), "served": served, "error": "", "error_class": "",
+            "architecture": type(model).__name__}
