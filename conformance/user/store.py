@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conformance.adapters import ADAPTERS
+from conformance.adapters import ADAPTERS, DEFAULT_SERVER
 from conformance.core.trace import Trace
 from conformance.checkpoints.directory import write_draft
 from conformance.checkpoints.errors import ConversionError
@@ -65,7 +65,7 @@ class UserDraftStore(DraftStore):
         super().__init__(root)
         self.inputs = inputs
         self.servers = servers                # the servers the verdict judges (--serve-with)
-        self.written: set[str] = set()        # the formats whose directory is the user's, as written
+        self.written_formats: set[str] = set()   # the formats whose directory is the user's, as written
         self.samples = used_samples(inputs)
         self.aux_source = ""
         self._aux: list[torch.Tensor] | None = None
@@ -113,10 +113,10 @@ class UserDraftStore(DraftStore):
             for fmt in ("speculators", "sglang"):
                 if src.format == fmt or (fmt == "sglang" and src.format in SGLANG_FAMILY):
                     dirs[fmt] = _as_written(src, root / fmt, weights)
-                    self.written.add(fmt)
+                    self.written_formats.add(fmt)
                 else:
                     dirs[fmt] = converted(fmt, root / fmt)
-            if "sglang" not in self.written:
+            if "sglang" not in self.written_formats:
                 self.eagle_ids = served_ids(self.inputs.trainer, self.inputs.target_file, self.root / "twins")
                 write_served_ids(dirs["sglang"], self.eagle_ids[0])
             # SpecForge reads its own directory as written (its names, its norm_output); any other format
@@ -128,7 +128,7 @@ class UserDraftStore(DraftStore):
                 pass
             elif src.format == "specforge":
                 dirs["specforge"] = _as_written(src, root / "specforge", weights)
-                self.written.add("specforge")
+                self.written_formats.add("specforge")
             else:
                 with contextlib.suppress(ConversionError):
                     dirs["specforge"] = converted("specforge", root / "specforge")
@@ -151,7 +151,7 @@ class UserDraftStore(DraftStore):
     def as_written(self, impl: str) -> bool:
         """Whether `impl` loads the user's directory as written (else this suite's conversion)."""
         self.checkpoint(self.case)
-        return self.read_format(impl) in self.written
+        return self.read_format(impl) in self.written_formats
 
     def trace(self, impl: str, case: DraftCase, dtype: torch.dtype, steps: int = 1,
               teacher_forced: bool = True) -> Trace:
@@ -282,7 +282,7 @@ class UserDraftStore(DraftStore):
         ids, why = self.eagle_ids
         if self.converted and why:
             served += f"; eagle_config ids {list(ids) if ids else 'none'} ({why})"
-        for impl in (s for s in self.servers if s != "sglang"):
+        for impl in (s for s in self.servers if s != DEFAULT_SERVER):
             served += f"; {impl}: " + ("the directory as written" if self.as_written(impl) else
                                        f"this suite's conversion to the {self.read_format(impl)} format ({impl} "
                                        f"does not read the {inputs.checkpoint.format} format)")
