@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from conformance.core import registry
+from conformance.core.findings import CONVERT, SETTINGS, WIRING, Problem
 from conformance.meta.test_verdict import CASES, ROOT, run_pytest, write_eagle_ids
+from conformance.user.commands import fix_commands as fix_commands_of
 from conformance.user.example_draft import write_example
 from conformance.user.verdict import EXIT_NOT_CHECKED, EXIT_NOT_SERVED, EXIT_SERVED
 
@@ -98,3 +101,48 @@ def test_the_repro_line_fails_again_with_the_same_problem(user_run):
     again = pasted(repro[0], elsewhere)
     assert again.returncode == EXIT_NOT_SERVED, f"{repro[0]}\nexit {again.returncode}:\n{again.stdout[-6000:]}"
     assert failed[0] in problems(again.stdout).values(), (failed[0], verdict(again.stdout))
+
+
+def test_the_terminal_is_the_verdict_without_noise(user_run):
+    """No captured output or library logs, no warnings summary, none of the suite's own file paths or registry
+    ids, no tolerance formula: the verdict is the last thing printed."""
+    case, result, _ = user_run
+    out = result.stdout
+    for noise in ("Captured", "DEBUG", "warnings summary", "short test summary", "conformance/user/test_",
+                  "allowed: atol", "per implementation pair and stage"):
+        assert noise not in out, f"{noise!r} in the terminal:\n{out}"
+    for known in REGISTRY_IDS:
+        assert known not in out, f"registry id {known!r} in the terminal:\n{out}"
+    assert out.rstrip().splitlines()[-1].startswith("  ") and verdict(out).count("\n") > 8, out[-3000:]
+    assert len(out.splitlines()) < 100, f"{len(out.splitlines())} lines:\n{out}"
+
+
+# ---------------------------------------------------------------- the parts, in process
+
+REGISTRY_IDS = [entry.id for entry in registry.REGISTRY]
+
+
+def test_a_problem_is_shown_without_its_registry_id_and_with_package_paths():
+    p = Problem("sglang 0.5.23 departs at `x` (sglang-residual-never-normed)", "where", "evidence",
+                "SGLang adds it (llama_eagle3.py:97-99); the registry's sglang-residual-never-normed: speculators "
+                "norms it (speculators models/eagle3/model_definitions.py:80-81); no_such_file.py:3", "fix",
+                known="sglang-residual-never-normed", impl="sglang")
+    shown = p.to_json(1)
+    assert shown["what"] == "sglang 0.5.23 departs at `x`" and shown["registry_id"] == "sglang-residual-never-normed"
+    assert shown["cause"] == ("SGLang adds it (sglang/srt/models/llama_eagle3.py:97-99); speculators norms it "
+                              "(speculators/models/eagle3/model_definitions.py:80-81); no_such_file.py:3"), shown
+
+
+def test_the_fix_commands_convert_then_check_with_the_fixed_flags():
+    options = {"DRAFT": "/d/draft", "--target-config": "/d/t.json", "--sglang-args": "--a 1 --speculative-num-steps=1",
+               "--trained-aux-layers": "embed,3,31", "--report": "/d/report"}
+    problems = [Problem("wiring", "", "", "", "set ids", WIRING, remedy=CONVERT),
+                Problem("flags", "", "", "", "--speculative-num-steps 15 --b 2 (a chain)", SETTINGS),
+                Problem("retrain", "", "", "", "retrain without it", SETTINGS)]
+    fixed, (convert, check) = fix_commands_of(options, problems)
+    assert fixed == [1, 2], fixed
+    assert convert.endswith("-m conformance.user.convert /d/draft /d/draft-sglang --target-config=/d/t.json "
+                            "--trained-aux-layers=embed,3,31"), convert
+    assert " check /d/draft-sglang --target-config=/d/t.json " in check, check
+    assert "--sglang-args='--a 1 --speculative-num-steps 15 --b 2'" in check and check.endswith("--report=/d/report")
+    assert fix_commands_of(options, problems[2:]) == ([], [])
