@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.core.findings import FORWARD, LOADING, OTHER, Problem
+from conformance.core.findings import FORWARD, LOADING, OTHER, Problem, cited
 
 SERVED, NOT_SERVED, NOT_CHECKED = "served as trained", "NOT served as trained", "not checked"
 EXIT_SERVED, EXIT_NOT_SERVED, EXIT_BAD_INPUT, EXIT_NOT_CHECKED = 0, 1, 4, 6
@@ -123,7 +123,7 @@ class Verdict:
     def to_json(self, versions: dict[str, str]) -> dict:
         checks = {o: sum(v == o for v in self.outcomes.values()) for o in ("passed", "failed", "skipped")}
         return {"served_as_trained": self.served, "outcome": self.outcome, "exit_code": self.exit_code,
-                "headline": self.headline(), **self.context, "checks": checks,
+                "headline": self.headline(), **{k: cited(v) for k, v in self.context.items()}, "checks": checks,
                 "not_checked": [{"what": area, "how": how} for area, how in self.unchecked.items()],
                 "not_run": [{"what": check, "why": why} for check, why in self.not_run.items()],
                 "versions": versions, "problems": [p.to_json(n) for n, p in enumerate(self.ordered(), 1)]}
