@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,19 @@ def test_the_fix_commands_convert_then_check_with_the_fixed_flags():
     assert " check /d/draft-sglang --target-config=/d/t.json " in check, check
     assert "--sglang-args='--a 1 --speculative-num-steps 15 --b 2'" in check and check.endswith("--report=/d/report")
     assert fix_commands_of(options, problems[2:]) == ([], [])
+
+
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+def test_an_existing_report_directory_is_no_test_path(where, tmp_path):
+    """docs/your-draft.md's `--report out/report` (spaced) once the directory exists, as on a second run: pytest
+    must not take it for a path to collect (collection only: the run's configuration is what is checked)."""
+    draft, _, _ = write_example(tmp_path / "inputs", "sglang")
+    report = tmp_path / "out" / "report"
+    report.mkdir(parents=True)
+    cwd = ROOT if where == "root" else tmp_path
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--draft-checkpoint={draft}",
+                          "--report", str(report.relative_to(tmp_path)) if where == "elsewhere" else str(report),
+                          "--collect-only", "-q"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    ids = [line for line in ran.stdout.splitlines() if "::" in line]
+    assert ran.returncode == 0 and ids and all("conformance/user/" in i for i in ids), ran.stdout + ran.stderr
