@@ -12,10 +12,20 @@ import shlex
 import sys
 from pathlib import Path
 
-from conformance.cli import DEFAULT_REPORT, OPTIONS, PROG
 from conformance.core.findings import CONVERT, SETTINGS, Problem
-from conformance.user.serving import DEFAULT_SERVER
 
+PROG = "eagle3-conformance"
+# check's options -> the pytest options `make check` passes (conformance/plugin.py defines them).
+OPTIONS = (
+    ("--data", "--training-data", "FILE", "JSONL training samples"),
+    ("--hidden", "--hidden-states", "DIR", "the samples' aux hidden states (speculators' datagen layout)"),
+    ("--target-config", "--target-config", "FILE", "the target model's config.json"),
+    ("--sglang-args", "--sglang-args", "ARGS", "the server's command line, quoted as one argument"),
+    ("--trainer", "--trainer", "NAME", "how the draft was trained: auto (default), speculators, specforge, eagle3"),
+    ("--trained-aux-layers", "--trained-aux-layers", "LAYERS", "the layers training captured, e.g. embed,3,31"),
+    ("--serve-with", "--serve-with", "SERVER", "the server(s) to check against: sglang (default), vllm or both"),
+)
+DEFAULT_REPORT = "report"   # make check's REPORT default
 CONVERTED = "-sglang"   # the converter's output: the draft's directory name with this suffix, beside it
 PATHS = ("--data", "--hidden", "--target-config", "--report")   # the check's options that name a file or directory
 # A settings fix that is nothing but server flags (`--speculative-num-steps 15 --speculative-num-draft-tokens 16
@@ -31,6 +41,8 @@ def entry_point() -> list[str]:
 
 def user_options(config) -> dict[str, str]:
     """The run's options as `eagle3-conformance check` takes them ("DRAFT" for the draft), paths absolute."""
+    from conformance.user.serving import DEFAULT_SERVER   # not at import: conformance/cli.py reads this module first
+
     here = config.invocation_params.dir
 
     def absolute(value: str) -> str:

@@ -112,13 +112,12 @@ def write_seed_scenario(root: Path) -> tuple[Path, Path]:
 def check_lines(options: dict[str, str]) -> list[str]:
     """The check of these inputs ("DRAFT" and the entry point's options), as `make check` (in a clone of the
     repository, whose Makefile runs it) and as the entry point; both pasteable from any directory."""
-    from conformance.cli import PACKAGE
     from conformance.user.commands import check_command
 
     names = {"DRAFT": "DRAFT", "--data": "DATA", "--hidden": "HIDDEN", "--target-config": "TARGET",
              "--sglang-args": "SGLANG_ARGS", "--trained-aux-layers": "TRAINED_AUX"}
     lines = []
-    root = PACKAGE.parent
+    root = Path(__file__).resolve().parents[2]   # a clone's root, or site-packages when installed
     if (root / "Makefile").is_file():
         here = Path.cwd().resolve() == root
         words = ["make", *([] if here else ["-C", shlex.quote(str(root))]), "check"]
