@@ -241,7 +241,10 @@ class VerdictPlugin:
 def quiet(config) -> None:
     """A user run's terminal: the verdict is the answer, and pytest's extras around it are noise to the user, or
     the suite's own file paths: no captured output or logs under a failure (the libraries' DEBUG lines), no
-    warnings summary, no short test summary (the verdict says what did not run, and why)."""
+    warnings summary, no short test summary (the verdict says what did not run, and why), no header or test file
+    names unless -v asks for them (pytest's -q)."""
+    if config.option.verbose == 0:
+        config.option.verbose = -1
     config.option.showcapture = "no"
     config.option.disable_warnings = True
     config.option.reportchars = "N"
