@@ -33,22 +33,27 @@ conformance: venv
 # Your draft, one verdict (README "Quick start", docs/your-draft.md): only the checks on your files, the verdict at the
 # end and at the top of $(REPORT)/report.md. pytest exits 0 served as trained, 1 not, 4 bad input, 6 not
 # checked (no problem in what ran, but a check needed an input not given: the headline names it and the option;
-# pytest itself uses 0-5). The recipe's status is pytest's, unchanged: make prints it ("Error 6"), but GNU make's
-# own exit status is only ever 0, 1 or 2, so `make check` exits 2 for all of 1, 4 and 6. A gate that needs the
-# code runs the same check as `eagle3-conformance check DRAFT ...` (its exit status is pytest's), or reads
-# verdict.exit_code in $(REPORT)/report.json. Optional: DATA (JSONL samples), HIDDEN (their hidden
-# states), TARGET (the target's config.json), SGLANG_ARGS (the server flags), TRAINER (see --trainer),
+# pytest itself uses 0-5). The recipe ends with that code and a last line naming it (`verdict: exit 6 (not
+# checked)`), but GNU make's own exit status is only ever 0, 1 or 2: `make check` exits 2 for all of 1, 4 and 6. A
+# gate that needs the code runs the same check as `eagle3-conformance check DRAFT ...` (its exit status is
+# pytest's), or reads verdict.exit_code in $(REPORT)/report.json. Optional: DATA (JSONL samples), HIDDEN (their
+# hidden states), TARGET (the target's config.json), SGLANG_ARGS (the server flags), TRAINER (see --trainer),
 # TRAINED_AUX (the layers training captured, e.g. embed,3,31, when config.json was rewritten for serving),
 # SERVE_WITH (the server(s) to check against: sglang, the default, vllm (docs/vllm-lane.md) or both).
+CHECK_OPTIONS = --draft-checkpoint="$(DRAFT)" $(if $(DATA),--training-data="$(DATA)") \
+	$(if $(HIDDEN),--hidden-states="$(HIDDEN)") $(if $(TARGET),--target-config="$(TARGET)") \
+	$(if $(SGLANG_ARGS),--sglang-args="$(SGLANG_ARGS)") $(if $(TRAINER),--trainer=$(TRAINER)) \
+	$(if $(TRAINED_AUX),--trained-aux-layers=$(TRAINED_AUX)) $(if $(SERVE_WITH),--serve-with=$(SERVE_WITH)) \
+	--report="$(REPORT)"
+VERDICTS = 0) v="served as trained";; 1) v="NOT served as trained";; 4) v="bad input";; \
+	6) v="not checked";; *) v="pytest's own code: no verdict";;
 check: $(if $(DRAFT),venv)
 	@test -n "$(DRAFT)" || { echo "usage: make check DRAFT=dir [DATA=file] [HIDDEN=dir] [TARGET=config.json]" \
 		"[SGLANG_ARGS=\"...\"] [TRAINER=speculators|specforge|eagle3] [TRAINED_AUX=embed,3,31]" \
 		"[SERVE_WITH=sglang|vllm|both]" >&2; exit 4; }
-	$(PYTEST) -q --draft-checkpoint="$(DRAFT)" $(if $(DATA),--training-data="$(DATA)") \
-		$(if $(HIDDEN),--hidden-states="$(HIDDEN)") $(if $(TARGET),--target-config="$(TARGET)") \
-		$(if $(SGLANG_ARGS),--sglang-args="$(SGLANG_ARGS)") $(if $(TRAINER),--trainer=$(TRAINER)) \
-		$(if $(TRAINED_AUX),--trained-aux-layers=$(TRAINED_AUX)) $(if $(SERVE_WITH),--serve-with=$(SERVE_WITH)) \
-		--report=$(REPORT)
+	$(info $(PYTEST) -q $(strip $(CHECK_OPTIONS)))
+	@$(PYTEST) -q $(CHECK_OPTIONS); code=$$?; case $$code in $(VERDICTS) esac; echo "verdict: exit $$code ($$v)"; \
+		exit $$code
 
 # The linter: ruff, configured in pyproject.toml.
 lint: venv

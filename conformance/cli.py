@@ -21,7 +21,8 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion
 
-PROG = "eagle3-conformance"
+from conformance.user.commands import DEFAULT_REPORT, OPTIONS, PROG
+
 BAD_INPUT = 4   # pytest's usage-error code, what `make check` documents for bad input
 NOT_CHECKED = 6   # the verdict's "not checked" (conformance/user/verdict.py): a code pytest never uses
 PACKAGE = Path(__file__).resolve().parent
@@ -30,17 +31,6 @@ PACKAGE = Path(__file__).resolve().parent
 # every run under conformance/ in the repository.
 INI = PACKAGE / "suite-pytest.ini"
 
-# check's options -> the pytest options `make check` passes (conformance/plugin.py defines them).
-OPTIONS = (
-    ("--data", "--training-data", "FILE", "JSONL training samples"),
-    ("--hidden", "--hidden-states", "DIR", "the samples' aux hidden states (speculators' datagen layout)"),
-    ("--target-config", "--target-config", "FILE", "the target model's config.json"),
-    ("--sglang-args", "--sglang-args", "ARGS", "the server's command line, quoted as one argument"),
-    ("--trainer", "--trainer", "NAME", "how the draft was trained: auto (default), speculators, specforge, eagle3"),
-    ("--trained-aux-layers", "--trained-aux-layers", "LAYERS", "the layers training captured, e.g. embed,3,31"),
-    ("--serve-with", "--serve-with", "SERVER", "the server(s) to check against: sglang (default), vllm or both"),
-)
-DEFAULT_REPORT = "report"   # make check's REPORT default
 # The implementations checked for here: those of the default lane, imported in this environment. An adapter
 # with a lane of its own (its own environment, e.g. the vLLM lane's) is not looked for.
 DEFAULT_LANE = "cpu"

@@ -40,7 +40,8 @@ def pytest_addoption(parser):
     group.addoption("--report", metavar="DIR", default=None,
                     help="write report.json, report.md and stage_error.png to DIR (also when tests fail)")
     group.addoption("--stage-table", action="store_true",
-                    help="print the per-stage max abs/rel error table at the end (implied by --report)")
+                    help="print the per-stage max abs/rel error table at the end (implied by --report, except on "
+                         "your draft: --draft-checkpoint)")
     group.addoption("--require-gpu", action="store_true",
                     help="fail, instead of skipping, gpu tests when CUDA is not available")
     group.addoption("--draft-checkpoint", metavar="DIR", default=None,
@@ -189,7 +190,12 @@ def drafts(tmp_path_factory):
 
 @pytest.fixture
 def repro(request) -> str:
-    """The one-line command that reruns exactly this test (inputs are seeded, so the node id suffices)."""
+    """The one-line command that reruns exactly this test (inputs are seeded, so the node id suffices); on a
+    user's draft, the user's own check narrowed to it, pasteable from any directory."""
+    if request.config.getoption("--draft-checkpoint"):
+        from conformance.user.commands import repro as user_repro
+
+        return user_repro(request.config, request.node.nodeid)
     return f"python -m pytest {shlex.quote(request.node.nodeid)}"
 
 
@@ -204,14 +210,16 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if _REPORT.empty or not (config.getoption("--stage-table") or config.getoption("--report")):
+    if _REPORT.empty:
         return
-    tr = terminalreporter
-    tr.section("eagle3 conformance: per implementation pair and stage")
-    for line in terminal_lines(_REPORT.to_json()):
-        tr.write_line(line)
-    if config.getoption("--report"):
-        written = Path(config.getoption("--report")) / "report.md"
+    tr, directory = terminalreporter, config.getoption("--report")
+    # On a user's draft the verdict is the answer: the table only when asked for (it stays in report.md).
+    if config.getoption("--stage-table") or (directory and not config.getoption("--draft-checkpoint")):
+        tr.section("eagle3 conformance: per implementation pair and stage")
+        for line in terminal_lines(_REPORT.to_json()):
+            tr.write_line(line)
+    if directory:
+        written = Path(config.invocation_params.dir, directory, "report.md").resolve()
         tr.write_line(f"report written to {written} (and report.json, stage_error.png)")
 
 

@@ -100,7 +100,7 @@ def test_a_swapped_option_is_caught(monkeypatch):
 
 
 def test_every_make_check_variable_has_a_flag():
-    recipe = (ROOT / "Makefile").read_text().split("\ncheck:", 1)[1].split("\n\n", 1)[0]
+    recipe = (ROOT / "Makefile").read_text().split("\nCHECK_OPTIONS =", 1)[1].split("\ncheck:", 1)[0]
     in_recipe = set(re.findall(r"\$\(if \$\((\w+)\),", recipe)) - {"DRAFT"} | {"REPORT"}   # DRAFT: the positional
     assert in_recipe == set(MAKE_VARS.values()), f"make check: {sorted(in_recipe)}; entry point: {MAKE_VARS}"
     assert {flag for flag, *_ in cli.OPTIONS} | {"--report"} == set(MAKE_VARS)
@@ -249,3 +249,16 @@ def test_ci_runs_every_release_under_test_and_the_user_environment():
     runs = {job: " ".join(step.get("run", "") for step in spec["steps"]) for job, spec in jobs.items()}
     assert "make version-lane RELEASE=${{ matrix.release }}" in runs["releases"]
     assert "make user-env-check" in runs["user-env"] and "make vllm" in runs["vllm"]
+
+
+@needs_make
+def test_make_check_names_the_code_on_its_last_line(tmp_path):
+    """Bad input: make's status is 2, its recipe's last line names the verdict's code; the command it echoes is
+    one line, with only the options given."""
+    argv = ["make", "-C", str(ROOT), "-o", f"{sys.prefix}/.installed", "check", f"DRAFT={tmp_path / 'none'}",
+            f"VENV={sys.prefix}", f"REPORT={tmp_path / 'report'}", "TRAINED_AUX=embed,3,31"]
+    ran = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    lines = [line for line in ran.stdout.splitlines() if not line.startswith("make")]
+    assert ran.returncode == 2 and lines[-1] == f"verdict: exit {cli.BAD_INPUT} (bad input)", ran.stdout + ran.stderr
+    assert lines[0].endswith(f'-m pytest -q --draft-checkpoint="{tmp_path / "none"}" '
+                             f'--trained-aux-layers=embed,3,31 --report="{tmp_path / "report"}"'), lines

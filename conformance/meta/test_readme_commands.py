@@ -1,12 +1,14 @@
 """The README's "your draft" commands, run as a user runs them, and the links of README.md and docs/*.md.
 
-The quick start's `make check` line is a template; the "A real verdict" block is that line filled in for the
-tiny example draft, and the same generator line before it. Those commands run here in subprocesses, from the
-repository root, on the draft the generator writes (into a temporary directory instead of out/): each must
-exit with the code its comment claims, and the verdict it prints must be the block pasted under it, line for
-line, except the `versions:` line, which names the environment that ran. Every relative link of README.md and
-docs/*.md must name a file that exists (and a heading of it, for an anchor); a planted broken link shows the
-checker can fail.
+The quick start's `make check` line is a template; the seed's block under it ("The seed's bug") is that line
+filled in for the seed's scenario, which the generator line before it writes. Those commands run here in
+subprocesses, from the repository root, on the files the generator writes (into a temporary directory instead
+of out/): each must exit with the code its comment claims, and what it prints from the verdict on must be the
+block pasted under it, line for line (a `...` line stands for lines left out), except the `versions:` line,
+which names the environment that ran; the absolute paths it prints are shown from `$PWD`. Then the commands the
+verdict prints to fix the draft and check it again run as printed, from another directory: they end in "served
+as trained". Every relative link of README.md and docs/*.md must name a file that exists (and a heading of it,
+for an anchor); a planted broken link shows the checker can fail.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-QUICK_START, REAL_VERDICT = "## Quick start", "### A real verdict"
+QUICK_START, REAL_VERDICT = "## Quick start", "### The seed's bug"
 GENERATOR = "conformance.user.example_draft"
 CLAIM = re.compile(r"\bexit (\d+)\b")          # what a command's comment says it exits with
 PLACEHOLDER = re.compile(r"path/to/|\.\.\.")   # a quick-start value the user replaces
@@ -89,29 +91,56 @@ def real_verdict() -> tuple[list[str], int, list[str], int]:
     return generator, generated, check, checked
 
 
+def written(generator: list[str]) -> str:
+    """The directory the generator writes (its one positional argument)."""
+    return next(word for word in generator[3:] if not word.startswith("-"))
+
+
 def test_the_quick_start_is_the_real_verdicts_command_filled_in():
     quick = commands(QUICK_START)
-    quick_generator = next(words for words, _ in quick if GENERATOR in words)
     quick_check = make_variables(next(words for words, _ in quick if words[:2] == ["make", "check"]))
     generator, _, check, _ = real_verdict()
-    assert quick_generator == generator, "the quick start and the real verdict write the example differently"
     assert all(PLACEHOLDER.search(value) for value in quick_check.values()), quick_check
     filled = make_variables(check)
     assert set(quick_check) <= set(filled), f"the real verdict leaves out {set(quick_check) - set(filled)}"
-    assert filled["DRAFT"] == f"{generator[-1]}/draft", "the real verdict checks another draft than it writes"
+    assert filled["DRAFT"] == f"{written(generator)}/draft", "the real verdict checks another draft than it writes"
     assert not any(PLACEHOLDER.search(value) for value in filled.values()), filled
 
 
 def pasted_verdict() -> list[str]:
-    """The verdict block pasted under the real verdict's commands, without its `...` cut marks."""
+    """The verdict block pasted under the real verdict's commands."""
     block = next(b for b in blocks_under(REAL_VERDICT) if "VERDICT: " in b)
-    return [line for line in block.splitlines() if line.strip() != "..."]
+    return block.splitlines()
 
 
 def printed_verdict(stdout: str) -> list[str]:
-    """The verdict at the end of a run: from its headline to the short test summary."""
-    lines = stdout[stdout.index("VERDICT: "):].splitlines()
-    return lines[:next((i for i, line in enumerate(lines) if line.startswith("====")), len(lines))]
+    """What a run prints from its verdict on: the verdict ends the run."""
+    return stdout[stdout.index("VERDICT: "):].splitlines()
+
+
+def matches(pasted: list[str], printed: list[str]) -> bool:
+    """The pasted lines are the printed ones, where a `...` line stands for any number of lines left out."""
+    segments, current = [], []
+    for line in pasted:
+        if line.strip() == "...":
+            segments.append(current)
+            current = []
+        else:
+            current.append(line)
+    segments.append(current)
+    at = 0
+    for i, segment in enumerate(segments):
+        if i == 0:
+            if printed[:len(segment)] != segment:
+                return False
+            at = len(segment)
+            continue
+        found = next((j for j in range(at, len(printed) - len(segment) + 1)
+                      if printed[j:j + len(segment)] == segment), None)
+        if found is None:
+            return False
+        at = found + len(segment)
+    return at == len(printed) or pasted[-1].strip() == "..."
 
 
 def without_versions(lines: list[str]) -> list[str]:
@@ -120,14 +149,32 @@ def without_versions(lines: list[str]) -> list[str]:
     return [line for line in lines if not line.startswith("  versions: ")]
 
 
+def fix_commands(lines: list[str]) -> list[str]:
+    """The commands under the verdict's "fix ... and check again" line."""
+    at = next(i for i, line in enumerate(lines) if line.startswith("fix ") and "and check again" in line)
+    return [line.strip() for line in lines[at + 1:] if line.startswith("  ")]
+
+
+def test_a_cut_block_matches_only_its_lines():
+    printed = ["VERDICT: x", "a", "b", "c", "d"]
+    assert matches(["VERDICT: x", "...", "c", "d"], printed) and matches(["VERDICT: x", "a", "..."], printed)
+    assert not matches(["VERDICT: x", "...", "b", "d"], printed) and not matches(["VERDICT: x", "a"], printed)
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_the_readme_verdict_commands_exit_as_the_readme_says(tmp_path):
     generator, generated, check, checked = real_verdict()
-    out = generator[-1]
-    here = str(tmp_path / out)
+    out = written(generator)
+    here, report = str(tmp_path / out), str(tmp_path / "report")
 
     def local(word: str) -> str:   # the README's out/... path, in the temporary directory
         return re.sub(rf"(^|=){re.escape(out)}(?=/|$)", lambda m: m.group(1) + here, word)
+
+    def as_shown(text: str) -> str:   # the absolute paths a run prints, as the README shows them
+        for real, shown in ((report, "$PWD/report"), (here, f"$PWD/{out}"), (f"{sys.prefix}/bin", "$PWD/.venv/bin"),
+                            (str(ROOT), "$PWD")):
+            text = text.replace(real, shown)
+        return text
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # .venv/bin/python is this environment in a clone; so is make's VENV, which make must not rebuild (-o):
@@ -140,7 +187,7 @@ def test_the_readme_verdict_commands_exit_as_the_readme_says(tmp_path):
 
     venv = sys.prefix
     assert check[0] == "make", check
-    argv = ["make", "-o", f"{venv}/.installed", *map(local, check[1:]), f"VENV={venv}", f"REPORT={tmp_path / 'report'}"]
+    argv = ["make", "-o", f"{venv}/.installed", *map(local, check[1:]), f"VENV={venv}", f"REPORT={report}"]
     ran = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     tail = (ran.stdout + ran.stderr)[-3000:]
     # make exits 2 whenever pytest does not exit 0, and names pytest's code on its last line (the README says so)
@@ -150,7 +197,17 @@ def test_the_readme_verdict_commands_exit_as_the_readme_says(tmp_path):
         assert ran.returncode == 2, tail
         # make[1]: when this runs under `make test` (a make inside a make names its level)
         assert re.search(rf"make(\[\d+\])?: \*\*\* \[\S+: check\] Error {checked}$", ran.stderr.strip()), tail
-    assert without_versions(printed_verdict(ran.stdout)) == without_versions(pasted_verdict()), tail
+    printed = without_versions(printed_verdict(as_shown(ran.stdout)))
+    assert matches(without_versions(pasted_verdict()), printed), "\n".join(printed)
+    assert len(ran.stdout.splitlines()) < 100, f"{len(ran.stdout.splitlines())} lines:\n{ran.stdout}"
+    # The fixes as printed, pasted from another directory: then the draft is served as trained.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env["PYTHONPATH"] = str(ROOT)   # this checkout's package, as in the environment the commands name
+    for command in fix_commands(printed_verdict(ran.stdout)):
+        done = subprocess.run(command, shell=True, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{command}\nexit {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}"
+    assert "VERDICT: served as trained" in done.stdout, done.stdout[-3000:]
 
 
 # ---------------------------------------------------------------- links

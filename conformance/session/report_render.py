@@ -218,10 +218,16 @@ def verdict_lines(v: dict) -> list[str]:
     lines.append(f"  checks: {c['passed']} passed, {c['failed']} failed{skipped}")
     if v.get("not_checked") and v.get("outcome") != "not checked":   # else the headline says it already
         lines.append("  not checked: " + ", ".join(f"{n['what']} ({n['how']})" for n in v["not_checked"]))
+    if v.get("not_run"):
+        lines.append("  nothing to check: " + "; ".join(f"{n['what']} ({n['why']})" for n in v["not_run"]))
     lines.append("  versions: " + ", ".join(f"{k} {val}" for k, val in v["versions"].items()))
     for p in v["problems"]:
         lines.append(f"{p['number']}. {p['what']}")
         lines += [f"   {f + ':':<9} {p[f]}" for f in VERDICT_FIELDS]
+    if v.get("fixes"):   # pasteable from any directory: the fixes a command applies, then the check again
+        numbers = ", ".join(map(str, v["fixes"]["problems"]))
+        lines.append(f"fix {numbers} and check again (paste from any directory):")
+        lines += [f"  {command}" for command in v["fixes"]["commands"]]
     return lines
 
 

@@ -1,20 +1,30 @@
-"""A tiny example draft on disk, to try --draft-checkpoint with, clean or with a planted problem.
+"""A tiny example draft on disk to try --draft-checkpoint with: clean, with a planted problem, or the seed's scenario.
 
     python -m conformance.user.example_draft DIR [--format specforge|sglang|sglang-legacy|speculators]
-                                                 [--plant PROBLEM] [--broken]
+                                                 [--plant PROBLEM] [--broken] [--seed-scenario]
 
 writes DIR/draft/ (config.json, model.safetensors), DIR/train.jsonl (training samples),
 DIR/hidden_states/ (their aux states from a tiny target, speculators' datagen layout) and
-DIR/target/config.json (that tiny target's config, for --target-config), and prints the options that check
-all of it, server flags included (a chain within the draft's positions). The specforge
+DIR/target/config.json (that tiny target's config, for --target-config), and prints the check of all of it,
+server flags included (a chain within the draft's positions), as a `make check` line and as the entry
+point's, every path absolute and every option in its `=` form. The specforge
 format is written as SpecForge exports it: midlayer names, no embed_tokens. --plant trains-in one knob
 SGLang serves differently (PLANTS); --broken (= --plant dropped_tensor) adds an fc.bias the config does
 not declare (a draft trained with a bias whose config lost it): the reference uses it, SGLang's loader
 drops it silently, speculators' refuses it.
+
+--seed-scenario writes the seed's scenario instead: the draft (SGLang's format) trained on the target layers
+[embed, 3, 31] whose config.json says eagle_config ids [3, 31, 59], as Kimi-K2.5 serving configs do, with
+Kimi-K2.5's real config as DIR/target/config.json; its check states what training captured (TRAINED_AUX) and
+has the seed's server flags (16 draft tokens with topk 1).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shlex
+import shutil
 from pathlib import Path
 
 import torch
@@ -23,6 +33,7 @@ from conformance.checkpoints.directory import write_draft
 from conformance.checkpoints import WRITABLE
 from conformance.checkpoints.hidden_states import TinyTarget, write_dump
 from conformance.checkpoints.training_data import load_samples, make_samples, write_samples
+from fixtures.real_configs import REAL_CONFIGS
 from fixtures.tiny import make_config, make_draft_weights
 
 SEED = 0
@@ -66,8 +77,6 @@ EXAMPLE_SGLANG_ARGS = ("--speculative-eagle-topk 1 --speculative-num-steps 3 --s
 
 def write_example_target(root: Path, fmt: str = "specforge", plant: str | None = None) -> Path:
     """root/target/config.json: the config of the tiny target write_example's hidden states come from."""
-    import json
-
     cfg = make_config(**{**EXAMPLE, **PLANTS[plant]}) if plant else EXAMPLE_CONFIG
     config = TinyTarget(cfg, torch.Generator().manual_seed(SEED + 2)).model.config.to_dict()
     config = {k: v for k, v in config.items() if v is not None and k not in ("_name_or_path", "transformers_version")}
@@ -78,18 +87,67 @@ def write_example_target(root: Path, fmt: str = "specforge", plant: str | None =
     return path
 
 
+# The seed's scenario: what training captured, the ids a Kimi-K2.5 serving config.json says, on that target.
+SEED_TARGET = REAL_CONFIGS / "target" / "moonshotai--Kimi-K2.5.json"
+SEED_TRAINED, SEED_IDS = "embed,3,31", (3, 31, 59)
+# The seed's server flags (16 draft tokens with topk 1, which SGLang serves as 2), at the tiny draft's context.
+SEED_SGLANG_ARGS = ("--speculative-eagle-topk 1 --speculative-num-steps 1 --speculative-num-draft-tokens 16 "
+                    "--context-length {context}")
+
+
+def write_seed_scenario(root: Path) -> tuple[Path, Path]:
+    """(draft dir, target config) of the seed's scenario under `root`."""
+    draft, _, _ = write_example(root, "sglang")
+    for extra in (root / "train.jsonl", root / "hidden_states"):   # a tiny target's, not Kimi-K2.5's
+        shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
+    config = json.loads((draft / "config.json").read_text())
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(SEED_IDS), "use_aux_hidden_state": True}
+    (draft / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    target = root / "target" / "config.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(SEED_TARGET, target)
+    return draft, target
+
+
+def check_lines(options: dict[str, str]) -> list[str]:
+    """The check of these inputs ("DRAFT" and the entry point's options), as `make check` (in a clone of the
+    repository, whose Makefile runs it) and as the entry point; both pasteable from any directory."""
+    from conformance.user.commands import check_command
+
+    names = {"DRAFT": "DRAFT", "--data": "DATA", "--hidden": "HIDDEN", "--target-config": "TARGET",
+             "--sglang-args": "SGLANG_ARGS", "--trained-aux-layers": "TRAINED_AUX"}
+    lines = []
+    root = Path(__file__).resolve().parents[2]   # a clone's root, or site-packages when installed
+    if (root / "Makefile").is_file():
+        here = Path.cwd().resolve() == root
+        words = ["make", *([] if here else ["-C", shlex.quote(str(root))]), "check"]
+        words += [f'{names[k]}="{v}"' if k == "--sglang-args" else f"{names[k]}={shlex.quote(v)}"
+                  for k, v in options.items()]
+        lines.append(" ".join(words))
+    return lines + [check_command(options)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--format", default="specforge", choices=WRITABLE)
     parser.add_argument("--plant", choices=sorted(PLANTS), default=None)
     parser.add_argument("--broken", action="store_true")
+    parser.add_argument("--seed-scenario", action="store_true",
+                        help="the seed's draft: trained on [embed, 3, 31], config.json ids [3, 31, 59], Kimi-K2.5")
     args = parser.parse_args(argv)
-    draft, data, dump = write_example(args.out, args.format, args.broken, args.plant)
-    target = write_example_target(args.out, args.format, args.plant)
     context = EXAMPLE_CONFIG.max_position_embeddings
-    print(f"--draft-checkpoint {draft} --training-data {data} --hidden-states {dump} --target-config {target} "
-          f"--sglang-args \"{EXAMPLE_SGLANG_ARGS.format(context=context)}\"")
+    if args.seed_scenario:
+        draft, target = write_seed_scenario(args.out)
+        options = {"DRAFT": draft, "--target-config": target, "--trained-aux-layers": SEED_TRAINED,
+                   "--sglang-args": SEED_SGLANG_ARGS.format(context=context)}
+    else:
+        draft, data, dump = write_example(args.out, args.format, args.broken, args.plant)
+        target = write_example_target(args.out, args.format, args.plant)
+        options = {"DRAFT": draft, "--data": data, "--hidden": dump, "--target-config": target,
+                   "--sglang-args": EXAMPLE_SGLANG_ARGS.format(context=context)}
+    for line in check_lines({k: os.path.abspath(v) if isinstance(v, Path) else v for k, v in options.items()}):
+        print(line)
     return 0
 
 

@@ -19,10 +19,9 @@ import torch
 from conformance.checkpoints.knobs import CONFIG_FILE
 from conformance.checkpoints.weights import read_weights
 from conformance.core.common import first_line
-from conformance.core.findings import CONVERSION, DIRECTORY, Problem
+from conformance.core.findings import CONVERSION, CONVERT, DIRECTORY, Problem
 
 DRAFT_CLASS = "LlamaForCausalLMEagle3"    # the class SGLang serves an EAGLE-3 Llama draft with
-CONVERT = "python -m conformance.user.convert"
 # What the conversion must keep, as the loaded models report it (conformance/loading/accounting.py knobs).
 KEPT_KNOBS = ("aux states x width", "norm_before_fc", "fc_norm", "norm_output", "vocab / draft vocab")
 
@@ -54,9 +53,9 @@ def directory_problem(path: Path, fmt: str, shown: str, convert_args: str = "") 
     from sglang.srt.utils.hf_transformers.mistral_utils import is_mistral_model
 
     ids = "for the target's class" if "--target-config" in convert_args else "in SGLang's eagle_config convention"
-    fix = (f"convert it: {CONVERT} {shown} {shown}-sglang{' ' + convert_args if convert_args else ''} "
-           f"(architectures {DRAFT_CLASS}, aux ids {ids}, every tensor unchanged); the rest of this verdict "
-           "judges that conversion")
+    fix = (f"convert it into {shown}-sglang beside it with this suite's converter (architectures {DRAFT_CLASS}, "
+           f"aux ids {ids}, every tensor unchanged: the command ends the verdict); the rest of this verdict judges "
+           "that conversion")
     what, where = "SGLang cannot read this directory as written", f"{CONFIG_FILE} ({fmt} format)"
     try:
         config = sglang_config(path)
@@ -65,13 +64,14 @@ def directory_problem(path: Path, fmt: str, shown: str, convert_args: str = "") 
         if is_mistral_model(path):
             fix = ("rename the directory: SGLang reads any path containing both 'eagle' and 'mistral' as a "
                    "Mistral params.json checkpoint (sglang/srt/utils/hf_transformers/mistral_utils.py:361-362)")
-        return Problem(what, where, evidence, raise_site(exc), fix, DIRECTORY, key="directory")
+        return Problem(what, where, evidence, raise_site(exc), fix, DIRECTORY, key="directory",
+                       remedy="" if is_mistral_model(path) else CONVERT)
     archs = list(getattr(config, "architectures", None) or [])
     if not archs or archs[0] != DRAFT_CLASS:
         return Problem("SGLang would not build an EAGLE-3 draft from this directory", where,
                        f"architectures {archs}: SGLang builds {archs[0] if archs else 'nothing'}, not {DRAFT_CLASS}",
                        "SGLang builds the class named by architectures[0] (sglang/srt/models/registry.py:93-104, "
-                       "model_loader/utils.py:198-232)", fix, DIRECTORY, key="directory")
+                       "model_loader/utils.py:198-232)", fix, DIRECTORY, key="directory", remedy=CONVERT)
     return None
 
 

@@ -27,7 +27,7 @@ from conformance.user.servable import conversion_findings, conversion_problem, d
 from conformance.user.trainer import FORMAT_TRAINER, other_trainers
 from conformance.user.user_draft import FIXTURE_FORMAT, INPUTS_KEY
 from conformance.user.verdict import not_applicable
-from conformance.core.findings import Problem
+from conformance.core.findings import Problem, plain
 
 pytestmark = [pytest.mark.cpu, pytest.mark.user]
 
@@ -71,22 +71,28 @@ def report_once(store, report, verdict) -> None:
         report.add_row(Section.WEIGHT_MAP, {"draft": store.case.id, "tensor": tensor, "landed in": where})
 
 
-def fail(problem: Problem, verdict, nodeid: str, message: str):
+def fail(problem: Problem, verdict, nodeid: str, message: str, repro: str = ""):
+    """Record the problem and fail the check. On a user's draft the verdict block ends the run with the problem's
+    where, evidence, cause and fix: the failure says which problem, and how to run this check alone."""
     __tracebackhide__ = True
     kept = verdict.add(problem, nodeid)
-    pytest.fail(f"{message}\n  cause: {kept.cause}\n  fix: {kept.fix}", pytrace=False)
+    again = f"\n  repro: {repro}" if repro else ""
+    if verdict.printed:
+        pytest.fail(f"{plain(kept.what, kept.known)} (in the verdict below){again}", pytrace=False)
+    again = again if repro not in message else ""   # a comparison's message ends with it already
+    pytest.fail(f"{message}\n  cause: {kept.cause}\n  fix: {kept.fix}{again}", pytrace=False)
 
 
-def test_user_draft_sglang_reads_the_directory(user_draft, report, verdict, request):
+def test_user_draft_sglang_reads_the_directory(user_draft, report, verdict, request, repro):
     """SGLang's own config reader on the directory as the user has it (never written to)."""
     report_once(user_draft, report, verdict)
     ckpt = user_draft.inputs.checkpoint
     problem = directory_problem(ckpt.path, ckpt.format, ckpt.path.name, user_draft.convert_args())
     if problem is not None:
-        fail(problem, verdict, request.node.nodeid, f"{problem.what}: {problem.evidence}")
+        fail(problem, verdict, request.node.nodeid, f"{problem.what}: {problem.evidence}", repro)
 
 
-def test_user_draft_conversion_keeps_the_draft(user_draft, report, verdict, request):
+def test_user_draft_conversion_keeps_the_draft(user_draft, report, verdict, request, repro):
     """The conversion SGLang is given instead: every tensor bit-exact, the aux ids SGLang will read, the
     norms and vocabulary SGLang builds from it."""
     if not user_draft.converted:
@@ -97,7 +103,7 @@ def test_user_draft_conversion_keeps_the_draft(user_draft, report, verdict, requ
     findings = conversion_findings(inputs.checkpoint.path, served, user_draft.eagle_ids, user_draft.accounts())
     problem = conversion_problem(findings, inputs.checkpoint.format)
     if problem is not None:
-        fail(problem, verdict, request.node.nodeid, f"{problem.what}: {problem.where}")
+        fail(problem, verdict, request.node.nodeid, f"{problem.what}: {problem.where}", repro)
 
 
 def test_user_draft_implementations_read_the_file_alike(user_draft, report, verdict, request):
@@ -125,11 +131,11 @@ def check_forward(store, report, verdict, impl: str, dtype_name: str, nodeid: st
     if check.failure is not None:
         problem = load_problem(impl, cfg, check.known, str(check.failure))
         report.add_load_failure(impl, case.id, dtype_name, nodeid, report_outcome(problem), str(check.failure))
-        fail(problem, verdict, nodeid, check.message)
+        fail(problem, verdict, nodeid, check.message, repro)
     problem = forward_problem(impl, cfg, check.known, check.comparison, steps)
     report.add(check.comparison, nodeid, report_outcome(problem), "" if problem is None else problem.cause)
     if problem is not None:
-        fail(problem, verdict, nodeid, check.message)
+        fail(problem, verdict, nodeid, check.message, repro)
 
 
 def test_user_draft_step0_matches_reference(impl, dtype_name, user_draft, report, verdict, request, repro):
@@ -157,4 +163,4 @@ def test_user_draft_weight_accounting(impl, user_draft, report, verdict, request
     for problem in problems[1:]:
         verdict.add(problem, request.node.nodeid)
     fail(problems[0], verdict, request.node.nodeid,
-         f"{impl} weight accounting [{user_draft.case.id}]: " + "; ".join(acct.problems) + f"\n  repro: {repro}")
+         f"{impl} weight accounting [{user_draft.case.id}]: " + "; ".join(acct.problems), repro)

@@ -25,15 +25,15 @@ pytestmark = [pytest.mark.cpu, pytest.mark.user]
 TARGET_WIRING = "target wiring"
 
 
-def fail_all(problems: list[Problem], verdict, nodeid: str, message: str):
+def fail_all(problems: list[Problem], verdict, nodeid: str, message: str, repro: str = ""):
     """Every problem into the verdict; the check fails with the first."""
     __tracebackhide__ = True
     for problem in problems[1:]:
         verdict.add(problem, nodeid)
-    fail(problems[0], verdict, nodeid, message)
+    fail(problems[0], verdict, nodeid, message, repro)
 
 
-def test_user_draft_target_wiring(user_draft, report, verdict, request):
+def test_user_draft_target_wiring(user_draft, report, verdict, request, repro):
     """SGLang's own resolution of the draft's config and its own capture on a tiny twin of --target-config
     (same class, same layer count), slot by slot against the layers training captured."""
     if user_draft.inputs.target_file is None:   # which layers SGLang captures depends on the target's class and depth
@@ -43,7 +43,7 @@ def test_user_draft_target_wiring(user_draft, report, verdict, request):
     for row in wiring.rows():
         report.add_row(Section.WIRING, row)
     if wiring.problems:
-        fail_all(wiring.problems, verdict, request.node.nodeid, "\n".join(wiring.lines()))
+        fail_all(wiring.problems, verdict, request.node.nodeid, "\n".join(wiring.lines()), repro)
 
 
 def other_servers() -> list[tuple[str, str | None]]:
@@ -56,7 +56,7 @@ def other_servers() -> list[tuple[str, str | None]]:
 
 
 @pytest.mark.parametrize("impl,runner", other_servers(), ids=lambda v: str(v))
-def test_user_draft_target_wiring_on_other_servers(impl, runner, user_draft, report, verdict, request):
+def test_user_draft_target_wiring_on_other_servers(impl, runner, user_draft, report, verdict, request, repro):
     """--serve-with vllm (or both): the layers vLLM feeds the draft as it reads the directory as written, with
     each of its model runners (V2: a CUDA server's default; V1), on a twin of --target-config, slot by slot
     against training's (conformance/user/wiring.py check_server_wiring)."""
@@ -74,10 +74,10 @@ def test_user_draft_target_wiring_on_other_servers(impl, runner, user_draft, rep
                                                                 user_draft.root / "twins"))
     report.add_row(Section.WIRING_SERVERS, server_row(impl, runner, wiring, served))
     if wiring.problems:
-        fail_all(wiring.problems, verdict, request.node.nodeid, "\n".join(wiring.lines()))
+        fail_all(wiring.problems, verdict, request.node.nodeid, "\n".join(wiring.lines()), repro)
 
 
-def test_user_draft_hidden_states_fit_the_target(user_draft, report, verdict, request):
+def test_user_draft_hidden_states_fit_the_target(user_draft, report, verdict, request, repro):
     """The --hidden-states dump's width and layer count against --target-config and the slots SGLang feeds."""
     from conformance.user.wiring import check_hidden_states
 
@@ -89,10 +89,10 @@ def test_user_draft_hidden_states_fit_the_target(user_draft, report, verdict, re
     report_once(user_draft, report, verdict)
     problems = check_hidden_states(inputs.hidden_states, inputs.target_file, user_wiring(user_draft))
     if problems:
-        fail_all(problems, verdict, request.node.nodeid, f"{problems[0].what}: {problems[0].evidence}")
+        fail_all(problems, verdict, request.node.nodeid, f"{problems[0].what}: {problems[0].evidence}", repro)
 
 
-def test_user_draft_server_flags(user_draft, report, verdict, request):
+def test_user_draft_server_flags(user_draft, report, verdict, request, repro):
     """--sglang-args through SGLang's own ServerArgs with this draft and target: every setting that changes
     what this draft computes."""
     from conformance.user.settings import CommandLineError
@@ -108,12 +108,12 @@ def test_user_draft_server_flags(user_draft, report, verdict, request):
     except CommandLineError as exc:   # SGLang's resolution refuses these flags for this draft and target
         fail(Problem("SGLang refuses to start with these server flags for this draft", "server flags", str(exc),
                      "SGLang's ServerArgs resolution (its own words above)", "change the flag it names", SETTINGS,
-                     key="settings:refused"), verdict, request.node.nodeid, str(exc))
+                     key="settings:refused"), verdict, request.node.nodeid, str(exc), repro)
     for row in settings.rows():
         report.add_row(Section.SETTINGS, row)
     if settings.problems:
         fail_all(settings.problems, verdict, request.node.nodeid,
-                 "\n".join(f"{p.what}: {p.evidence}" for p in settings.problems))
+                 "\n".join(f"{p.what}: {p.evidence}" for p in settings.problems), repro)
 
 
 def test_user_draft_files_are_untouched(user_draft, verdict, request):

@@ -94,7 +94,7 @@ class Trainer:
         ids = self.training_ids(num_layers)
         where = f"{self.stored_where} {list(self.stored_ids)}" if self.stored_ids is not None else "no ids stored"
         if self.stated_ids is not None:
-            return (f"{self.name or 'not named'} ({self.source}); {where}, not read: training captured "
+            return (f"{self.name or 'not named'} ({self.source}); {where}; training captured "
                     f"{layer_names(self.stated_ids)} (inputs of layers {list(self.stated_ids)}), stated by "
                     f"{TRAINED_OPTION}")
         trained = f"trained on inputs of layers {list(ids)}" if ids is not None else \

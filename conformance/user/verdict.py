@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.core.findings import FORWARD, LOADING, OTHER, READING, Problem
+from conformance.core.findings import FORWARD, LOADING, OTHER, READING, Problem, cited
 
 SERVED, NOT_SERVED, NOT_CHECKED = "served as trained", "NOT served as trained", "not checked"
 EXIT_SERVED, EXIT_NOT_SERVED, EXIT_BAD_INPUT, EXIT_NOT_CHECKED = 0, 1, 4, 6
@@ -47,6 +47,8 @@ class Verdict:
         self.outcomes: dict[str, str] = {}    # user check -> passed | failed | skipped
         self.context: dict[str, str] = {}     # what was judged: draft, format, trainer, served as
         self.unchecked: dict[str, str] = {}   # what did not run -> how to make it run (or why it did not)
+        self.not_run: dict[str, str] = {}     # a check with nothing to check on these inputs -> why
+        self.printed = False                  # the verdict block ends the terminal: a failure need not repeat it
 
     def add(self, problem: Problem, nodeid: str = "") -> Problem:
         """Record a problem (merged into an earlier one with the same key); returns the one kept."""
@@ -88,12 +90,13 @@ class Verdict:
     def skipped(self, nodeid: str, reason: str) -> None:
         """A user check that did not run: fine when there was nothing to check; else what was not checked."""
         if reason.startswith(NOT_APPLICABLE):
+            self.not_run.setdefault(check_name(nodeid), reason.removeprefix(NOT_APPLICABLE))
             return
         m = _NOT_CHECKED.match(reason)
         if m:
             self.unchecked.setdefault(m["area"], f"give {m['option']}")
         else:   # a skip no check explained: that check, in its own words
-            self.unchecked.setdefault(nodeid.rsplit("::", 1)[-1], reason)
+            self.unchecked.setdefault(check_name(nodeid), reason)
 
     @property
     def found_problems(self) -> bool:
@@ -125,9 +128,18 @@ class Verdict:
     def to_json(self, versions: dict[str, str]) -> dict:
         checks = {o: sum(v == o for v in self.outcomes.values()) for o in ("passed", "failed", "skipped")}
         return {"served_as_trained": self.served, "outcome": self.outcome, "exit_code": self.exit_code,
-                "headline": self.headline(), **self.context, "checks": checks,
+                "headline": self.headline(), **{k: cited(v) for k, v in self.context.items()}, "checks": checks,
                 "not_checked": [{"what": area, "how": how} for area, how in self.unchecked.items()],
+                "not_run": [{"what": check, "why": why} for check, why in self.not_run.items()],
                 "versions": versions, "problems": [p.to_json(n) for n, p in enumerate(self.ordered(), 1)]}
+
+
+def check_name(nodeid: str) -> str:
+    """A user check in words: `test_user_draft_hidden_states_fit_the_target` is "hidden states fit the target"."""
+    name = nodeid.rsplit("::", 1)[-1]
+    function, _, params = name.partition("[")
+    words = function.removeprefix("test_user_draft_").removeprefix("test_").replace("_", " ")
+    return f"{words} [{params}" if params else words
 
 
 def not_checked(area: str, option: str):
@@ -157,6 +169,9 @@ class VerdictPlugin:
     def __init__(self, config, report):
         self.config, self.report = config, report
         self.verdict = config.stash.setdefault(VERDICT_KEY, Verdict())
+        self.verdict.printed = bool(config.getoption("--draft-checkpoint"))
+        if self.verdict.printed:
+            quiet(config)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_ignore_collect(self, collection_path: Path, config):
@@ -199,25 +214,48 @@ class VerdictPlugin:
         if not self.config.getoption("--draft-checkpoint") or not self.verdict.outcomes:
             return   # no verdict when no user check ran (--collect-only, a -k that selects none)
         from conformance.adapters import versions
+        from conformance.user.commands import fix_commands, user_options
 
         self.verdict.finish()
         self.report.verdict = self.verdict.to_json(versions())
+        fixed, commands = fix_commands(user_options(self.config), self.verdict.ordered())
+        if commands:
+            self.report.verdict["fixes"] = {"problems": fixed, "commands": commands}
         if session.exitstatus == 0:
             # A problem no check raised as a failure still fails the run; a check that did not run keeps it
             # from passing (an interrupted or broken run keeps pytest's own code).
             session.exitstatus = self.verdict.exit_code
 
-    @pytest.hookimpl(trylast=True)   # after the stage tables: the last thing before pytest's own summary
-    def pytest_terminal_summary(self, terminalreporter):
+    # pytest registers only methods named pytest_*: this one is a second pytest_sessionfinish by its specname.
+    @pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_sessionfinish")
+    def pytest_sessionfinish_printed(self):
+        """Around the terminal reporter's own: the verdict after pytest's last line, the last thing printed."""
         from conformance.session.report_render import verdict_lines
 
+        result = yield
         data = getattr(self.report, "verdict", None)
-        if not data:
-            return
-        terminalreporter.section("eagle3 conformance: your draft", bold=True, red=data["outcome"] == NOT_SERVED,
-                                 yellow=data["outcome"] == NOT_CHECKED, green=data["served_as_trained"])
-        for line in verdict_lines(data):
-            terminalreporter.write_line(line)
+        terminal = self.config.pluginmanager.get_plugin("terminalreporter")
+        if data and terminal is not None:
+            terminal.section("eagle3 conformance: your draft", bold=True, red=data["outcome"] == NOT_SERVED,
+                             yellow=data["outcome"] == NOT_CHECKED, green=data["served_as_trained"])
+            for line in verdict_lines(data):
+                terminal.write_line(line)
+        return result
+
+
+def quiet(config) -> None:
+    """A user run's terminal: the verdict is the answer, and pytest's extras around it are noise to the user, or
+    the suite's own file paths: no captured output or logs under a failure (the libraries' DEBUG lines), no
+    warnings summary, no short test summary (the verdict says what did not run, and why), no header or test file
+    names unless -v asks for them (pytest's -q)."""
+    if config.option.verbose == 0:
+        config.option.verbose = -1
+    config.option.showcapture = "no"
+    config.option.disable_warnings = True
+    config.option.reportchars = "N"
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None:   # already built from the options above
+        terminal.reportchars = ""
 
 
 def _skip_reason(report) -> str:

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from conformance.checkpoints.errors import CheckpointError
 from conformance.core.compare import OK, StageResult, compare_tensors
 from conformance.user.trainer import Trainer
-from conformance.core.findings import WIRING, Problem
+from conformance.core.findings import CONVERT, WIRING, Problem
 from conformance.wiring.cases import AUX_STAGE
 from conformance.wiring.comparison import TARGET, describe_read
 from conformance.wiring.target_twin import TwinRun, TwinUnsupported, build_twin, target_twin
@@ -174,7 +174,7 @@ def servable_ids(target_config: Path, boundaries: tuple[int, ...], root: Path) -
     return find_ids(build_twin(target_twin(Path(target_config)), Path(root)), tuple(boundaries))
 
 
-def _fix(run: TwinRun, training: tuple[int, ...], use_aux: bool) -> str:
+def _fix(run: TwinRun, training: tuple[int, ...], use_aux: bool, ids: tuple[int, ...] | None) -> str:
     n = run.twin.num_layers
     ids = find_ids(run, training)
     cls = (run.classes or (TARGET.sglang_class(run.twin),))[0].__name__
@@ -246,11 +246,14 @@ def check_user_wiring(draft_dir: Path, target_config: Path, trainer: Trainer, ro
         out.slots.append((j, t, s, r))
     if out.error or any(t != s for _, t, s, _ in out.slots):
         differs = [f"slot {j}: training {t or '(none)'}, serving {s or '(none)'}" for j, t, s, _ in out.slots if t != s]
+        ids = find_ids(run, training)
         out.problems.append(Problem(
             f"SGLang feeds the draft other target layers than it was trained on ({out.lists()})",
             "aux slots (the draft's input aux_in): " + "; ".join(differs),
-            "; ".join(out.lines()[3:]), _capture_cause(run), _fix(run, training, aux_ids.use_aux) + _unstated(
-                trainer, out.serving, n), WIRING, key="wiring:aux-layers"))
+            "; ".join(out.lines()[3:]), _capture_cause(run), _fix(run, training, aux_ids.use_aux, ids) + _unstated(
+                trainer, out.serving, n), WIRING, key="wiring:aux-layers",
+            # the converter writes these ids, given the target and what training captured
+            remedy=CONVERT if ids is not None and trainer.stated_ids is not None else ""))
     return out
 
 
