@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import shlex
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conformance.meta.test_report_story import report_contradictions
+from conformance.user.commands import CONVERTED
 from conformance.user.example_draft import DROPPED_TENSOR, PLANTS, write_example
 from conformance.user.servable import conversion_findings, directory_problem, served_ids
 from conformance.user.verdict import Verdict
@@ -232,7 +234,8 @@ def runs(tmp_path_factory, request) -> dict[str, Future]:
     # The drafts are written here, one after the other: only the subprocesses run in threads (a first import
     # of a transformers class from two threads at once can fail inside its lazy module).
     selected = {item.callspec.params["case"].id for item in request.session.items
-                if getattr(item, "function", None) is test_the_verdict_names_the_problem}
+                if getattr(item, "function", None) in (test_the_verdict_names_the_problem,
+                                                       test_every_printed_command_is_pasteable)}
     cases = [case for case in CASES if case.id in selected and runnable(case)]   # `-k` runs only what it selects
     drafts = {}
     for case in cases:
@@ -299,6 +302,66 @@ def test_the_verdict_names_the_problem(case, runs):
     for n in range(1, count + 1):   # each problem numbered, with its five parts
         item = block.split(f"\n{n}. ", 1)[1]
         assert all(f"   {part}:" in item for part in ("where", "evidence", "cause", "fix")), item
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.exit == 1], ids=lambda c: c.id)
+def test_every_printed_command_is_pasteable(case, runs):
+    """Every `repro:` and fix command the run printed is the user's own check with the user's own options and
+    names its files by absolute paths that exist: pasteable from any directory. Two cases paste them and run
+    them (conformance/meta/test_printed_commands.py); this holds the form for every planted case."""
+    result, _, report = runs[case.id].result()
+    assert not (found := unpasteable(result.stdout, case.args, report)), "\n".join(found)
+
+
+def unpasteable(stdout: str, args: tuple[str, ...], report: Path) -> list[str]:
+    """What keeps a printed command from being pasted from another directory and doing what it says."""
+    block = verdict_block(stdout)
+    fixes = block.split("and check again (paste from any directory):\n", 1)[1:]
+    commands = [line.split("repro: ", 1)[1] for line in stdout.splitlines() if "  repro: " in line]
+    commands += [line.strip() for line in (fixes[0].splitlines() if fixes else []) if line.startswith("  ")]
+    found = [] if commands else [f"no repro or fix command printed:\n{stdout[-3000:]}"]
+    for command in commands:
+        words = shlex.split(command)
+        if not (Path(words[0]).is_absolute() and Path(words[0]).exists()):
+            found.append(f"{command}: {words[0]} is not an absolute path to a program")
+        paths = [w.split("=", 1)[-1] for w in words[1:]]
+        # the directories a check or the converter takes, and every option's file
+        named = [w for w in words[words.index("check") + 1:][:1]] if "check" in words else \
+            [w for w in words[words.index("conformance.user.convert") + 1:] if not w.startswith("-")] \
+            if "conformance.user.convert" in words else []
+        named += [w.split("=", 1)[1] for w in words if w.startswith("--") and "/" in w.split("=", 1)[-1]]
+        found += [f"{command}: {w} is relative" for w in named if not w.startswith("/")]
+        found += [f"{command}: no such file {w}" for w in paths if w.startswith("/") and not Path(w).exists()
+                  and not w.endswith(CONVERTED) and Path(w) != report]   # what a fix writes, the report it writes
+        if " check " not in command and "conformance.user.convert" not in command:
+            found.append(f"{command}: neither the user's check nor this suite's converter")
+        found += [f"{command} drops {option}" for option in args if " check " in command
+                  and option.partition("=")[0] != "--sglang-args" and option.partition("=")[2] not in command]
+    return found
+
+
+def test_an_unpasteable_command_is_caught(tmp_path):
+    """The repro lines this suite printed before (a bare test id, checking a built-in draft) and a relative fix."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    python = shlex.quote(sys.executable)
+    printed = ("check failed (in the verdict below)\n"
+               f"  repro: {python} -m pytest 'conformance/user/test_user_draft.py::test_user_draft_step0[sglang]'\n"
+               "VERDICT: NOT served as trained: 1 problem\n"
+               "fix 1 and check again (paste from any directory):\n"
+               f"  {python} -m conformance.user.convert draft draft-sglang\n"
+               f"  {python} -m conformance.cli check {draft}-sglang --report={tmp_path / 'report'}\n")
+    found = unpasteable(printed, (f"--target-config={tmp_path / 'config.json'}",), tmp_path / "report")
+    assert any("neither the user's check" in f for f in found), found
+    assert any("draft-sglang is relative" in f for f in found), found
+    assert any("drops --target-config" in f for f in found), found
+    (tmp_path / "config.json").write_text("{}")
+    fixed = (printed.replace(" draft draft-sglang", f" {draft} {draft}-sglang")
+             .replace("-m pytest 'conformance/user/test_user_draft.py::test_user_draft_step0[sglang]'",
+                      f"-m conformance.cli check {draft} --target-config={tmp_path / 'config.json'}")
+             .replace(" --report=", f" --target-config={tmp_path / 'config.json'} --report="))
+    assert unpasteable(fixed, (f"--target-config={tmp_path / 'config.json'}",), tmp_path / "report") == []
+
 
 
 def test_bad_input_exits_4_with_one_line(tmp_path):
