@@ -15,7 +15,9 @@ Where vLLM's target class runs on this host (Llama, Qwen3: the shims' attention)
 observed (worker_capture.py): the class built by get_model with its aux layers set as its model runner sets
 them, one forward, each returned aux state matched exactly to a boundary; and the derivation above must give
 the same list (conformance/wiring/test_serving_sides.py). Where it does not (DeepSeek-V3 / Kimi-K2.5: MLA
-attention has no backend on a CPU host; gpt-oss: no unquantized MoE backend), the list is derived, and says so.
+attention has no backend on a CPU host; gpt-oss: no unquantized MoE backend), the list is derived, and says so;
+DeepSeek's forward still runs up to its first decoder layer, so id 0's TypeError is observed (and the rule's
+derived error must agree: no list).
 """
 from __future__ import annotations
 

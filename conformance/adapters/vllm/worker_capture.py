@@ -15,13 +15,23 @@ from worker_pipe import first_line
 from worker_run import kv_cache
 
 
+class AttentionUnrunnable(Exception):
+    """The forward reached a decoder layer whose attention has no backend here."""
+
+
+def stop(module, args):
+    """A pre-hook on the first decoder layer of a class whose attention cannot run here."""
+    raise AttentionUnrunnable
+
+
 def capture(req: dict) -> dict:
     """The target's capture observed: vLLM's target class for this config built by get_model (random weights:
     load_format "dummy"; the capture does not depend on them), its aux layers set as GPUModelRunner.
     _setup_eagle3_aux_hidden_state_outputs does (the config's ids, else the class's default; :5169-5188), one
     forward over a request, and each aux state it returns matched exactly to the residual stream entering a
     decoder layer (boundary i) or the final norm (boundary N). A class that does not run here (no CPU path for its
-    attention) answers `ran: False` with vLLM's own words."""
+    attention) answers `ran: False` with vLLM's own words, unless its forward raises before its first decoder
+    layer (an MLA class: the embedding and boundary 0's capture run)."""
     from types import SimpleNamespace
 
     from vllm.config import set_current_vllm_config
@@ -45,29 +55,33 @@ def capture(req: dict) -> dict:
         inner = next(m for m in model.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList))
         attn = [m for m in model.modules() if hasattr(m, "attn_backend") and hasattr(m, "layer_name")]
         holder = SimpleNamespace(backend=attn[0].attn_backend, attn=attn, vllm_config=vllm_config)
-        if vllm_config.model_config.use_mla and shims.APPLIED:
-            raise NotImplementedError(f"{type(model).__name__} uses MLA attention: vLLM's CPU MLA backend calls its "
-                                      "CPU build's compiled ops (v1/attention/backends/mla/cpu_mla.py:180), absent "
-                                      "from the CUDA wheel, and FLEX_ATTENTION (the shim's) is not an MLA backend")
     except Exception as exc:   # vLLM's own words: this class cannot be built here
         traceback.print_exc()
         return {"ran": False, "why": f"{type(exc).__name__}: {first_line(exc)}"}
+    # MLA attention cannot run here: vLLM's forward runs only up to the first decoder layer (embedding, boundary
+    # 0's capture: no attention), so what it raises there is observed; reaching layer 0 means it does not run
+    unrunnable = (f"{type(model).__name__} uses MLA attention: vLLM's CPU MLA backend calls its CPU build's "
+                  "compiled ops (v1/attention/backends/mla/cpu_mla.py:180), absent from the CUDA wheel, and "
+                  "FLEX_ATTENTION (the shim's) is not an MLA backend"
+                  if vllm_config.model_config.use_mla and shims.APPLIED else "")
     T = 6
     generator = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, model.config.get_text_config().vocab_size, (T,), generator=generator)
     positions = torch.arange(T)
-    specs = kv_cache(holder, 2)
-    vllm_config.cache_config.num_gpu_blocks = 2
-    block_table = torch.ones(1, 1, dtype=torch.int32)   # block 1: block 0 is the null block
     slot_map = BLOCK_SIZE + torch.arange(T)
-    qsl = torch.tensor([0, T], dtype=torch.int32)
-    cad = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=torch.tensor([T], dtype=torch.int32),
-        num_reqs=1, num_actual_tokens=T, max_query_len=T, max_seq_len=T, block_table_tensor=block_table,
-        slot_mapping=slot_map, causal=True, positions=positions)
-    names = [a.layer_name for a in attn]
-    metadata = {name: holder.backend.get_builder_cls()(spec, [name], vllm_config, torch.device("cpu")).build(
-        common_prefix_len=0, common_attn_metadata=cad) for spec, name in zip(specs, names)}
+    names = [] if unrunnable else [a.layer_name for a in attn]
+    metadata = {}
+    if not unrunnable:
+        specs = kv_cache(holder, 2)
+        vllm_config.cache_config.num_gpu_blocks = 2
+        block_table = torch.ones(1, 1, dtype=torch.int32)   # block 1: block 0 is the null block
+        qsl = torch.tensor([0, T], dtype=torch.int32)
+        cad = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=torch.tensor([T], dtype=torch.int32),
+            num_reqs=1, num_actual_tokens=T, max_query_len=T, max_seq_len=T, block_table_tensor=block_table,
+            slot_mapping=slot_map, causal=True, positions=positions)
+        metadata = {name: holder.backend.get_builder_cls()(spec, [name], vllm_config, torch.device("cpu")).build(
+            common_prefix_len=0, common_attn_metadata=cad) for spec, name in zip(specs, names)}
     streams: dict[int, torch.Tensor] = {}
 
     def stream(hidden, residual):
@@ -81,6 +95,8 @@ def capture(req: dict) -> dict:
     # decoder layers are called (positions, hidden_states, residual); the final norm (hidden_states, residual)
     handles = [layer.register_forward_pre_hook(entering(i, 1)) for i, layer in enumerate(inner.layers)]
     handles.append(inner.norm.register_forward_pre_hook(entering(len(inner.layers), 0)))
+    if unrunnable:
+        handles.append(inner.layers[0].register_forward_pre_hook(stop))
     def forward():
         with torch.no_grad(), set_forward_context(metadata, vllm_config, num_tokens=T,
                                                   slot_mapping={name: slot_map for name in names}):
@@ -95,6 +111,8 @@ def capture(req: dict) -> dict:
             torch._dynamo.reset()
             streams.clear()
             out = forward()
+    except AttentionUnrunnable:
+        return {"ran": False, "why": f"NotImplementedError: {unrunnable}"}
     except Exception as exc:   # the capture itself fails (e.g. a None residual): vLLM's own words
         traceback.print_exc()
         return {"ran": True, "ids": list(ids), "served": None, "error": f"{type(exc).__name__}: {first_line(exc)}",
