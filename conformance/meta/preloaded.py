@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,10 +43,31 @@ MODULES = ("pytest", "conformance.cli", "conformance.user.convert")
 
 def importable(name: str, module) -> bool:
     """A module a child imported that the parent may import for the next children."""
-    if name.split(".")[0] in OWN or ".test_" in name or name.startswith("test_"):
+    if name.split(".")[0] in OWN + tuple(rewritten()) or ".test_" in name or name.startswith("test_"):
         return False
     loader = getattr(module, "__loader__", None)
     return type(loader).__name__ != "AssertionRewritingHook"
+
+
+@cache
+def rewritten() -> frozenset[str]:
+    """The top-level names pytest rewrites in a user's run: every pytest11 distribution's modules (pytest's own
+    rule, _pytest/config/__init__.py _iter_rewritable_modules): this suite's, hypothesis', xdist's, ..."""
+    from importlib.metadata import distributions
+
+    from _pytest.config import _iter_rewritable_modules
+
+    return frozenset(name for dist in distributions() if any(ep.group == "pytest11" for ep in dist.entry_points)
+                     for name in _iter_rewritable_modules([str(f) for f in dist.files or ()]))
+
+
+def _forget_own() -> None:
+    """This suite's modules out of the parent (`-m conformance.meta.preloaded` imported its packages): each child
+    imports them as a user's process does, its plugin's assertions rewritten. Third-party pytest11 packages a
+    preloaded module imports (anyio under sglang's server, hypothesis) stay: pytest warns it cannot rewrite them,
+    which only their own asserts' messages would show, and which the verdict's terminal does not print."""
+    for name in [n for n in sys.modules if n.split(".")[0] in OWN and n != "__main__"]:
+        del sys.modules[name]
 
 
 def _child(request: dict) -> None:
@@ -60,6 +82,9 @@ def _child(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        # the request's PYTHONPATH, as a new interpreter would put it on the path (the parent's is ROOT)
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[1:1] = extra
         code = _run(request["argv"])
         # the modules this run imported, for the parent to preload before the next fork
         names = [n for n, m in list(sys.modules.items()) if m is not None and importable(n, m)]
@@ -103,11 +128,16 @@ def _run(argv: list[str]) -> int:
     return 0
 
 
-def serve() -> None:
+def serve(preload: list[str]) -> None:
     """The parent: preload, then fork a child per request, reply as each ends; single-threaded (a fork from a
-    process with threads could copy a held lock)."""
+    process with threads could copy a held lock). `preload`: modules to import first, kept even if they are this
+    suite's (a meta test's plant)."""
     import torch  # noqa: F401 - the common base of every run, imported before the first fork
 
+    rewritten()
+    _forget_own()
+    for name in preload:
+        importlib.import_module(name)
     gc.freeze()
     children: dict[int, tuple[str, str]] = {}   # pid -> (request id, stdout path)
     preloaded: set[str] = set()
@@ -144,6 +174,7 @@ def _preload(listing: Path, preloaded: set[str]) -> None:
             importlib.import_module(name)
         except Exception:   # noqa: BLE001 - a module only its importer can import (a lazy submodule's order)
             pass
+    _forget_own()   # what a preloaded module imported of this suite's (none should)
     if threading.active_count() > 1:
         raise RuntimeError(f"a preloaded module started a thread: {threading.enumerate()}")
     gc.freeze()
@@ -153,12 +184,15 @@ class Preloaded:
     """The client: `run(argv, cwd, env)` returns a CompletedProcess as subprocess.run(capture_output=True,
     text=True) would; callable from several threads."""
 
-    def __init__(self, scratch: Path):
+    def __init__(self, scratch: Path, preload: tuple[str, ...] = ()):
         self.scratch = Path(scratch)
         self.scratch.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen([sys.executable, "-m", "conformance.meta.preloaded"], cwd=ROOT, env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # the parent's own output (what its preloading logs) goes to a file: the children's is in theirs
+        self.log = open(self.scratch / "parent.log", "w")
+        self.process = subprocess.Popen([sys.executable, "-m", "conformance.meta.preloaded", *preload], cwd=ROOT,
+                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                        text=True)
         self.pending: dict[str, Future] = {}
         self.lock = threading.Lock()
         self.count = 0
@@ -195,7 +229,8 @@ class Preloaded:
     def close(self) -> None:
         self.process.stdin.close()
         self.process.wait(timeout=600)
+        self.log.close()
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1:])
