@@ -97,8 +97,6 @@ def test_default_drafts_section_says_what_the_run_observed(run):
     for row in rows:
         assert "| " + " | ".join(v.replace("|", "\\|") for v in row.values()) + " |" in section, (row, section)
         assert " | ".join(row.values()).rstrip(" |") in terminal, (row, terminal)
-    # What this run found: at least one server departs from a trainer's default, with its entry (the finding).
-    assert any(r["served"] == "differently" and r["registry entry"] != "none" for r in rows), rows
 
 
 @pytest.mark.parametrize("field", ["served", "first divergent stage", "registry entry"])

@@ -186,8 +186,10 @@ def default_drafts(comparisons: list[dict], v: dict[str, str]) -> list[dict]:
         for impl, adapter in ADAPTERS.items():
             if adapter.is_server:
                 served = [c for c in comparisons if c["case"] == case.id and c["impl"] == impl]
-                rows.append({"default draft": case.id, "trained by": case.default_of,
-                             "server": f"{impl} {v.get(adapter.package, '?')}", **_served(served, adapter)})
+                version = v.get(adapter.package, "not installed")
+                server = impl if version == "not installed" else f"{impl} {version}"
+                rows.append({"default draft": case.id, "trained by": case.default_of, "server": server,
+                             **_served(served, adapter)})
     return rows
 
 
