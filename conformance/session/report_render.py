@@ -239,7 +239,8 @@ def verdict_lines(v: dict) -> list[str]:
 
 
 def terminal_lines(data: dict) -> list[str]:
-    """The end-of-session summary: first divergences, then per pair and dtype the per-stage max errors."""
+    """The end-of-session summary: each server's verdict on each trainer's default draft, the first divergences,
+    then per pair and dtype the per-stage max errors."""
     lines = []
     if data.get("default_drafts"):
         lines.append("each trainer's default draft (draft | trained by | server | served | first divergent stage | "
