@@ -105,10 +105,47 @@ def test_vllm_spec_decode_counters_equal_reference(group, scenario, vllm_engine,
 def test_served_rounds_equal_reference_stage_by_stage(group, scenario, vllm_engine, report, repro):
     """Every round of every request: the positions of each draft pass, the hand-off (the target's aux states and
     the ids step 0 embeds, the recurrent hidden at steps >= 1), every draft stage, the drafted tokens and the
-    accepted drafts equal the reference's on the same context."""
+    accepted drafts equal the reference's on the same context. Chunked prefill: an xfail only at exactly the place
+    and signature of the backup-token finding (chunk_backup_token)."""
     _, _, findings = served(vllm_engine, group, scenario, report)
     failures = [m for f in findings if (m := f.rounds_failure(repro))]
+    if failures and group.long_prefill_token_threshold:
+        if why := chunk_backup_token(findings):
+            pytest.xfail(f"{why}\n{failures[0].splitlines()[0]}")
     assert not failures, "\n\n".join(failures)
+
+
+# Not (yet) a registry entry: the registry's areas hold the model-level and wiring findings of vLLM 0.33.0, none of an
+# engine; this lane's one finding on vLLM 0.32.0's engine is matched here by its exact place and signature.
+BACKUP_TOKEN = ("vLLM drafts a partial prefill chunk's last row with the prompt's last token: "
+                "EagleProposer.prepare_next_token_ids_padded takes a discarded request's next token from "
+                "request.get_token_id(num_tokens_no_spec - 1) (vllm/v1/spec_decode/llm_base_proposer.py:1062-1067), "
+                "the whole prompt's last token, not the token after the chunk; the draft's KV at that position "
+                "keeps it")
+
+
+def chunk_backup_token(findings) -> str | None:
+    """The finding, when every request's first divergence is round 0, step 0 `input_ids` and the rows of round 0's
+    step 0 whose served ids differ from the reference's are exactly the last rows of its partial prefill chunks
+    (where the prompt's last token is another token than the next one), each served with the prompt's last token."""
+    seen = []
+    for f in findings:
+        first = None if f.divergence is None else f.divergence.first_divergence
+        prompt = f.request.served.prompt
+        extend = f.request.rounds[0].extend if f.request.rounds else []
+        served_ids = [int(t) for p in extend for t in p.rows["input_ids"]]
+        expected = prompt[1:len(served_ids)] + [f.greedy[0]]
+        wrong = [t for t, (a, b) in enumerate(zip(served_ids, expected)) if a != b]
+        ends = [sum(p.width for p in extend[:i + 1]) - 1 for i in range(len(extend) - 1)]
+        predicted = [t for t in ends if prompt[-1] != prompt[t + 1]]
+        if wrong != predicted or any(served_ids[t] != prompt[-1] for t in wrong):
+            return None
+        place = None if first is None else (f.conforming_rounds, first.step, first.stage)
+        if place != ((0, 0, "input_ids") if wrong else None):
+            return None
+        seen.append(f"{f.request.label}: rows {wrong} served token {prompt[-1]} (the prompt's last), expected "
+                    f"{[prompt[t + 1] for t in wrong]}")
+    return BACKUP_TOKEN + "; " + "; ".join(seen) if any("rows []" not in s for s in seen) else None
 
 
 @pytest.mark.parametrize("group,scenario", [p for p in ALL if p.values[0].checkpoint_format == "sglang"])

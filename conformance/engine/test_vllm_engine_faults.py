@@ -45,8 +45,8 @@ FAULTS = (
                  "positions one further than the slot it writes (a position bug of the draft loop)", 0, 1, "positions"),
     PlantedFault("aux_from_shallower_layers", "the runner's EAGLE-3 aux layers set one lower "
                  "(set_aux_hidden_state_layers after _setup_eagle3_aux_hidden_state_outputs)", 0, 0, "aux_in"),
-    PlantedFault("next_token_stale", "EagleProposer.prepare_next_token_ids_padded: step 0's last row embeds the "
-                 "previous committed token instead of the one just sampled", 1, 0, "input_ids"),
+    PlantedFault("sample_row_before_last", "EagleProposer.set_inputs_first_pass: step 0 samples (and hands step 1 "
+                 "the hidden state of) the row before the last accepted one", 0, 0, "logits"),
 )
 
 

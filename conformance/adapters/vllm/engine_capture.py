@@ -178,22 +178,20 @@ def _aux_from_shallower_layers(runner) -> str:
     return f"set_aux_hidden_state_layers({layers}) -> {tuple(i - 1 for i in layers)}"
 
 
-def _next_token_stale(runner) -> str:
-    """prepare_next_token_ids_padded (llm_base_proposer.py:1049-1097), the token each request's step 0 embeds at its
-    last row, returns the previous token instead: the request's own last committed token (not the one just sampled)."""
+def _sample_row_before_last(runner) -> str:
+    """set_inputs_first_pass (llm_base_proposer.py:817) returns, per request with more than one row in step 0, the
+    row before the one to sample (the last accepted): its logits draft the first token and its hidden state feeds
+    step 1."""
     proposer = runner.drafter
-    prepare = proposer.prepare_next_token_ids_padded
+    first_pass = proposer.set_inputs_first_pass
 
-    def stale(sampled_token_ids, requests, gpu_input_batch, discard_request_mask):
-        next_ids, valid = prepare(sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
-        for i, rid in enumerate(gpu_input_batch.req_ids[:next_ids.shape[0]]):
-            state = requests[rid]
-            tokens = state.output_token_ids or state.prompt_token_ids
-            next_ids[i] = tokens[-1] if state.output_token_ids else next_ids[i]
-        return next_ids, valid
-    proposer.prepare_next_token_ids_padded = stale
-    return "EagleProposer.prepare_next_token_ids_padded: the last committed token instead of the one just sampled"
+    def before_last(*args, **kwargs):
+        num_tokens, rows, cad = first_pass(*args, **kwargs)
+        starts = cad.query_start_loc[:cad.num_reqs].to(rows.device)
+        return num_tokens, torch.where(rows > starts, rows - 1, rows), cad
+    proposer.set_inputs_first_pass = before_last
+    return "EagleProposer.set_inputs_first_pass: the row before the last accepted one sampled"
 
 
 FAULTS = {"draft_positions_advanced": _advance_draft_positions, "aux_from_shallower_layers": _aux_from_shallower_layers,
-          "next_token_stale": _next_token_stale}
+          "sample_row_before_last": _sample_row_before_last}
