@@ -11,7 +11,9 @@ What the file says differently from what the draft is:
 - aux layer ids are not stated: NeMo's trainer captures `default_eagle3_aux_layer_ids(depth)` =
   outputs of layers [1, depth // 2 - 1, depth - 4] (target.py:42-61) unless the run set
   `recipe_args.aux_layer_ids`; in the training convention (input of layer i + 1) [2, depth // 2, depth - 3].
-The writer refuses what NeMo cannot train (ConversionError naming it) and ids it cannot state.
+The writer refuses what NeMo cannot train (ConversionError naming it). Aux ids other than NeMo's default for
+the target depth (a run with recipe_args.aux_layer_ids) are not in NeMo's file: this writer adds them where
+SGLang reads them (`eagle_config`, output of layer i), as the SpecForge writer does, so a round trip keeps them.
 """
 from __future__ import annotations
 
@@ -63,15 +65,13 @@ def nemo_default_aux_ids(depth: int) -> tuple[int, ...] | None:
 
 def target_depth(cfg: Eagle3Config) -> int:
     """The target depth a NeMo config states (it copies the target's num_hidden_layers): the one whose NeMo
-    default is `cfg`'s aux ids. Ids that are no depth's default cannot be stated: NeMo writes no ids."""
+    default is `cfg`'s aux ids, else the shallowest target the ids fit (NeMo's own ids are outputs of layers,
+    so the deepest training id - 1 must be a layer of it: target.py:81-83)."""
     ids = cfg.aux_layer_ids
     if ids is None:
         return cfg.num_hidden_layers
     depth = ids[-1] + 3
-    if nemo_default_aux_ids(depth) != tuple(ids):
-        raise ConversionError(f"nemo format cannot express aux_layer_ids={list(ids)}: NeMo writes no aux ids, only the "
-                              "target's depth, whose default ids (target.py:42-61) these are not")
-    return depth
+    return depth if nemo_default_aux_ids(depth) == tuple(ids) else max(ids)
 
 
 def inexpressible(cfg: Eagle3Config) -> dict[str, str]:
@@ -128,6 +128,10 @@ def config_json(cfg: Eagle3Config) -> dict:
     for knob, reason in inexpressible(cfg).items():
         raise ConversionError(f"nemo format cannot express {knob}={getattr(cfg, knob)!r}: {reason}")
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default", **(cfg.rope_scaling or {})}
+    depth = target_depth(cfg)
+    stated = {} if cfg.aux_layer_ids is None or nemo_default_aux_ids(depth) == tuple(cfg.aux_layer_ids) else \
+        {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
+                          "use_aux_hidden_state": True}}
     return {
         "_name_or_path": "",
         "architectures": [ARCHITECTURE],
@@ -152,7 +156,7 @@ def config_json(cfg: Eagle3Config) -> dict:
         "model_type": "llama",
         "norm_output": cfg.norm_output,
         "num_attention_heads": cfg.num_attention_heads,
-        "num_hidden_layers": target_depth(cfg),
+        "num_hidden_layers": depth,
         "num_key_value_heads": cfg.num_key_value_heads,
         "output_attentions": False,
         "output_hidden_states": False,
@@ -168,6 +172,7 @@ def config_json(cfg: Eagle3Config) -> dict:
         "transformers_version": "5.19.0",
         "use_cache": True,
         "vocab_size": cfg.vocab_size,
+        **stated,
     }
 
 
