@@ -1,7 +1,8 @@
 """NeMo Automodel 0.7.0's checkpoints through the server (SGLang 0.5.23, the default server, in-process).
 
-As written, SGLang refuses a NeMo directory (its class name, conformance/draft/test_served_formats.py and the
-registry's sglang-nemo-format-architecture-unknown). This module checks the two ways a NeMo user gets it served:
+As written, SGLang refuses a NeMo directory: it resolves the draft's class by the name NeMo writes, which neither it
+nor transformers registers (the registry's reading entries for the nemo format, each a strict xfail where its
+loader refuses). This module checks that and the two ways a NeMo user gets it served:
 - this suite's conversion (conformance/user/convert.py, run as a user runs it): the same tensors bit for bit, the
   config SGLang's own format writes, SGLang's weight accounting, step 0 and K = 7 steps against the reference,
   each judged against the registry as the built-in matrix judges SGLang's own format;
@@ -10,6 +11,7 @@ registry's sglang-nemo-format-architecture-unknown). This module checks the two 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -20,8 +22,10 @@ import torch
 from conformance.adapters import ADAPTERS, DEFAULT_SERVER, account
 from conformance.checkpoints import CONFIG_FILE, open_checkpoint, read_weights
 from conformance.checkpoints.formats import nemo
-from conformance.core.matching import known_param, settle_accounting
-from conformance.core.registry import for_accounting
+from conformance.core.common import first_line
+from conformance.core.matching import known_param, match_load, settle, settle_accounting
+from conformance.core.registry import applicable, case_names, for_accounting
+from conformance.core.compare import compare_traces
 from conformance.core.sections import Section
 from conformance.core.tolerances import DTYPES
 from conformance.session.harness import DraftStore, assert_conforms, conformance_params
@@ -52,6 +56,26 @@ class ConvertedStore(DraftStore):
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     return ConvertedStore(tmp_path_factory.mktemp("nemo-served"))
+
+
+def as_written(case) -> tuple:
+    """The registry's readings of the nemo format by the server that apply to the case: its loader's refusal."""
+    names = {**case_names(case), "format": nemo.NAME, "absent": (), "overruled": ()}
+    return tuple(dataclasses.replace(e, area="load") for e in applicable("reading", SERVER, names) if e.error)
+
+
+@pytest.mark.parametrize("case", [known_param(c, id=c.id, known=as_written(c)) for c in STEP0])
+def test_server_reads_the_nemo_directory_as_written(case, drafts, repro):
+    """The directory as NeMo's checkpointer writes it, loaded by the server's own path (its class resolved from
+    architectures as its model runner resolves it) and run at step 0 against the reference."""
+    try:
+        loaded = ADAPTERS[SERVER]().load(drafts.checkpoint(case)[nemo.NAME], torch.float32)
+    except Exception as exc:   # the server's loader refused the directory: its own words, one line
+        settle(f"{SERVER} could not load {case.id}'s NeMo directory: {type(exc).__name__}: {first_line(exc)}\n"
+               f"  repro: {repro}", match_load(as_written(case), type(exc).__name__, first_line(exc)))
+    actual = loaded.run(drafts.batch(case), 1).on_cpu()
+    first = compare_traces(actual, drafts.trace("reference", case, torch.float32), case.id).first_divergence
+    assert first is None, f"{SERVER} serves {case.id}'s NeMo directory differently: first divergence {first}"
 
 
 @pytest.mark.parametrize("case", STEP0, ids=lambda c: c.id)

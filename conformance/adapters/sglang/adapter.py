@@ -39,8 +39,6 @@ class SGLangAdapter(AdapterBase):
     draft_group: ClassVar[int | None] = None   # its attention runs per request: grouping gains nothing
     serving_decode: ClassVar[bool] = True
     is_server: ClassVar[bool] = True
-    # NeMo Automodel's directory as it writes it (conformance/draft/test_served_formats.py)
-    other_formats: ClassVar[tuple[str, ...]] = ("nemo",)
     default_server: ClassVar[bool] = True   # it runs in-process here: its target classes, settings, tree and engine
     target_capture: ClassVar[ModuleType | None] = target     # its target classes, fed the ids it reads from a draft
     server_settings: ClassVar[ModuleType | None] = settings  # --sglang-args through SGLang's own ServerArgs
