@@ -8,6 +8,7 @@ running-real-implementations.md); the runtime it needs is set up once per proces
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from pathlib import Path
 from types import ModuleType
@@ -105,7 +106,9 @@ def draft_class(ckpt_dir: Path, config):
 
     model_config = ModelConfig(str(ckpt_dir), is_draft_model=True, speculative_algorithm="EAGLE3",
                                trust_remote_code=False)
-    return get_model_architecture(model_config)[0]
+    with warnings.catch_warnings():   # importing its model modules: "Triton is not supported on current platform"
+        warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+        return get_model_architecture(model_config)[0]
 
 
 class LoadedSGLang:
