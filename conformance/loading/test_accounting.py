@@ -15,7 +15,7 @@ from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS, IMPLEMENTATIONS
 from conformance.core.matching import known_param, settle_accounting
 from conformance.core.registry import for_accounting
 from fixtures.cases import CASES_BY_ID, STEP0_CASES
-from conformance.checkpoints import WEIGHTS_FILE, sha256
+from conformance.checkpoints import INDEX_FILE, sha256, weight_files
 from fixtures.checkpoint import edited_copy
 from fixtures.tiny import make_config, make_vocab_map
 
@@ -147,10 +147,13 @@ def test_speculators_refusal_is_named(drafts, tmp_path):
 @pytest.mark.parametrize("impl", ["default lane", *VLLM])
 def test_accounting_leaves_the_checkpoint_untouched(impl, drafts):
     dirs = drafts.checkpoint(CASES_BY_ID["fc_norm"])
-    before = {fmt: sha256(d / WEIGHTS_FILE) for fmt, d in dirs.items()}
+    def digests():   # every weight file of every format (NeMo's: a shard and its index)
+        return {fmt: [sha256(f) for f in (*weight_files(d), d / INDEX_FILE) if f.is_file()] for fmt, d in dirs.items()}
+
+    before = digests()
     for name in IMPLS if impl == "default lane" else (impl,):
         account(name, dirs[ADAPTERS[name].checkpoint_format])
-    assert before == {fmt: sha256(d / WEIGHTS_FILE) for fmt, d in dirs.items()}
+    assert before == digests()
 
 
 # ---------------------------------------------------------------- d2t / t2d

@@ -1,10 +1,10 @@
 """Convert a draft directory into a format SGLang serves (never writing into the source).
 
-    python -m conformance.user.convert DRAFT OUT [--format sglang|sglang-legacy|speculators|specforge]
+    python -m conformance.user.convert DRAFT OUT [--format sglang|sglang-legacy|speculators|specforge|nemo]
                                        [--target-config T] [--trained-aux-layers embed,3,31]
 
-Reads any format this suite reads (speculators, SGLang, legacy SGLang, SpecForge, the original EAGLE-3
-export) and writes OUT/config.json and OUT/model.safetensors with every tensor unchanged and the aux
+Reads any format this suite reads (speculators, SGLang, legacy SGLang, SpecForge, NeMo Automodel, the original
+EAGLE-3 export) and writes OUT/config.json and OUT/model.safetensors with every tensor unchanged and the aux
 ids in the target format's convention (conformance/checkpoints/formats.py). For SGLang's formats the
 eagle_config ids are the ones with which SGLang captures the layers training used: in its Llama
 classes' convention (id - 1) by default, or, with --target-config, the ids the target's own class needs,

@@ -46,7 +46,7 @@ TRAINER_ID_SHIFT = {"speculators": 0, "specforge": 1}
 # EAGLE-3) keeps speculators'. A draft whose trainer is neither stated nor detected runs no trainer's
 # implementation: training semantics are the reference's, and one trainer's refusal of a file another may have
 # written says nothing about how it is served (possible_trainers says which could have written it).
-TRAINER_ADAPTER = {"speculators": "speculators", "specforge": "specforge"}
+TRAINER_ADAPTER = {"speculators": "speculators", "specforge": "specforge", "nemo": "nemo"}
 DEFAULT_TRAINER = "speculators"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from conformance.checkpoints import WEIGHTS_FILE
+from conformance.checkpoints import weight_files
 from conformance.loading.accounting import Accounting, finite, load_and_count, observed_knobs, rope_text, vocab_map
 from conformance.loading.observed_loaders import observed_weight_loaders
 
@@ -33,7 +33,7 @@ def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None) ->
     current: list[str] = [""]
 
     def named_weights():
-        for name, tensor in safetensors_weights_iterator([str(ckpt_dir / WEIGHTS_FILE)]):
+        for name, tensor in safetensors_weights_iterator([str(p) for p in weight_files(ckpt_dir)]):
             current[0] = name
             yield name, tensor
 
