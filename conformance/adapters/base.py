@@ -169,6 +169,10 @@ class DraftAdapter(Protocol):
                                                    # (adapters/sglang/engine.py, its shims engine_shims.py)
     training: ClassVar[ModuleType | None]          # its own training path: the acceptance area trains its tiny
                                                    # draft with it (adapters/speculators/training.py)
+    training_capture: ClassVar[ModuleType | None]  # a trainer's own capture of the target's aux states (its
+                                                   # target backends): the wiring area runs it on the suite's targets
+                                                   # against its convention in wiring/cases.py TRAINERS
+                                                   # (adapters/nemo/wiring.py)
     # default empty: (batch, context) shapes of the benchmark whose timed pass does not compile on a CPU host,
     # each with why (left out of the CPU sweep; not the implementation's maths)
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]]
@@ -225,6 +229,7 @@ class AdapterBase:
     server_settings: ClassVar[ModuleType | None] = None
     engine: ClassVar[ModuleType | None] = None
     training: ClassVar[ModuleType | None] = None
+    training_capture: ClassVar[ModuleType | None] = None
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]] = MappingProxyType({})
 
     @classmethod
