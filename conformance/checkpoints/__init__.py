@@ -6,7 +6,7 @@ hidden-state dumps. Every problem with a file is one CheckpointError line naming
     schema.py          the tensor schema (names, shapes, kinds per config) and canonical names
     weights.py         weight files: headers, read_weights, save_weights, sha256
     knobs.py           ParsedConfig and the decoder-layer / RoPE knobs every format shares
-    formats/           one module per format (speculators, sglang, sglang_legacy, specforge, eagle),
+    formats/           one module per format (speculators, sglang, sglang_legacy, specforge, eagle, nemo),
                        detection and dispatch
     directory.py       a draft directory: open_checkpoint, write_draft, convert
     targets.py         a target model's config.json
@@ -14,7 +14,7 @@ hidden-state dumps. Every problem with a file is one CheckpointError line naming
     hidden_states.py   speculators' hidden-state dumps and the tiny random target
 """
 from conformance.checkpoints.directory import (DraftCheckpoint, convert, detect_format, open_checkpoint, read_config,
-                                               read_config_file, write_draft)
+                                               read_config_file, save_stored, write_draft)
 from conformance.checkpoints.errors import CheckpointError, ConversionError, load_json
 from conformance.checkpoints.formats import FORMATS, WRITABLE, config_format, config_json, from_canonical, parse_config
 from conformance.checkpoints.knobs import CONFIG_FILE, ParsedConfig
@@ -28,6 +28,6 @@ __all__ = [
     "CheckpointError", "ConversionError", "DraftCheckpoint", "ParsedConfig", "TensorInfo",
     "config_format", "config_json", "convert", "detect_format", "expected_tensors", "from_canonical", "load_json",
     "needed_by", "open_checkpoint", "parse_config", "read_config", "read_config_file", "read_target_config",
-    "read_tensor", "read_weights", "save_weights", "sha256", "tensor_index", "to_canonical", "undeclared_tensors",
-    "weight_files", "write_draft",
+    "read_tensor", "read_weights", "save_stored", "save_weights", "sha256", "tensor_index", "to_canonical",
+    "undeclared_tensors", "weight_files", "write_draft",
 ]

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from conformance.checkpoints.errors import CheckpointError, ConversionError, load_json
-from conformance.checkpoints.formats import config_format, config_json, from_canonical, parse_config
+from conformance.checkpoints.formats import config_format, config_json, from_canonical, parse_config, weights_writer
 from conformance.checkpoints.knobs import CONFIG_FILE, ParsedConfig
 from conformance.checkpoints.weights import WEIGHTS_FILE, TensorInfo, read_weights, save_weights, tensor_index
 from reference.eagle3 import Eagle3Config
@@ -61,16 +61,23 @@ def read_config(ckpt_dir: Path) -> Eagle3Config:
 
 def write_draft(cfg: Eagle3Config, weights: dict[str, torch.Tensor], out_dir: Path, fmt: str,
                 drop_embed: bool = False) -> Path:
-    """Write `out_dir/{config.json, model.safetensors}` in `fmt`; tensors keep their bytes and dtype.
+    """Write `out_dir/{config.json, model.safetensors}` in `fmt` (or the weight files `fmt` itself writes, e.g.
+    NeMo's shard and index); tensors keep their bytes and dtype.
 
     `drop_embed` writes what SpecForge's export writes: no embed_tokens (to_sglang.py drops *embed*).
     """
     config = config_json(cfg, fmt)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {from_canonical(k, fmt): v for k, v in sorted(weights.items()) if not (drop_embed and "embed" in k)}
-    save_weights(tensors, out_dir / WEIGHTS_FILE)
+    save_stored(tensors, out_dir, fmt)
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
+
+
+def save_stored(tensors: dict[str, torch.Tensor], out_dir: Path, fmt: str) -> list[Path]:
+    """Tensors already under `fmt`'s stored names, written in `fmt`'s file layout."""
+    own = weights_writer(fmt)
+    return own(tensors, out_dir) if own else [save_weights(tensors, out_dir / WEIGHTS_FILE)]
 
 
 def convert(src: Path, dst: Path, fmt: str) -> Path:

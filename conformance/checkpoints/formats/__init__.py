@@ -11,18 +11,19 @@ keeps every tensor bit-exact and every knob.
 | sglang-legacy | same, `use_aux_norm` for fc_norm                     | midlayer.*, aux_norm_low/mid/high |
 | specforge     | flat LlamaConfig export: no eagle_config, SpecForge's norm_output | midlayer.*, no embed_tokens |
 | eagle         | original EAGLE-3: LlamaForCausalLM + draft_vocab_size (read only) | midlayer.*           |
+| nemo          | the target's LlamaConfig, architectures LlamaEagle3DraftModel | model.*, one shard + index |
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from conformance.checkpoints.errors import CheckpointError, ConversionError
-from conformance.checkpoints.formats import eagle, sglang, sglang_legacy, specforge, speculators
+from conformance.checkpoints.formats import eagle, nemo, sglang, sglang_legacy, specforge, speculators
 from conformance.checkpoints.knobs import ParsedConfig
 from conformance.checkpoints.schema import LEGACY_FC_NORM
 from reference.eagle3 import Eagle3Config
 
-MODULES = {m.NAME: m for m in (speculators, sglang, sglang_legacy, specforge, eagle)}
+MODULES = {m.NAME: m for m in (speculators, sglang, sglang_legacy, specforge, eagle, nemo)}
 FORMATS = tuple(MODULES)
 WRITABLE = tuple(name for name, m in MODULES.items() if hasattr(m, "config_json"))
 EAGLE3_ARCH = sglang.ARCHITECTURE
@@ -44,13 +45,15 @@ def config_format(raw: dict, file: Path, tensor_names: list[str] | None = None) 
         # meaning of norm_output (semantics D27), which matters only when the key is present.
         legacy = "use_aux_norm" in raw or any(n.split(".")[-2] in LEGACY_FC_NORM for n in names if "." in n)
         return sglang_legacy.NAME if legacy else specforge.NAME
+    if arch[0] == nemo.ARCHITECTURE:
+        return nemo.NAME
     if arch[0] == "LlamaForCausalLM":
         if "draft_vocab_size" in raw or "target_vocab_size" in raw:
             return eagle.NAME
         raise CheckpointError(file, "field architectures", "LlamaForCausalLM without draft_vocab_size: a target "
                                                            "model config, not an EAGLE-3 draft")
     raise CheckpointError(file, "field architectures",
-                          f"{arch[0]} is not an EAGLE-3 draft (expected {EAGLE3_ARCH}, "
+                          f"{arch[0]} is not an EAGLE-3 draft (expected {EAGLE3_ARCH}, {nemo.ARCHITECTURE}, "
                           "LlamaForCausalLM with draft_vocab_size, or speculators_model_type eagle3)")
 
 
@@ -67,3 +70,9 @@ def config_json(cfg: Eagle3Config, fmt: str) -> dict:
 def from_canonical(name: str, fmt: str) -> str:
     """The name `fmt` stores the canonical tensor `name` under."""
     return MODULES[fmt].stored_name(name)
+
+
+def weights_writer(fmt: str):
+    """How `fmt` lays its tensors out on disk: (stored tensors, directory) -> the files written; one
+    model.safetensors unless the format writes its own layout (NeMo's consolidated shard and index)."""
+    return getattr(MODULES[fmt], "save_weights", None)

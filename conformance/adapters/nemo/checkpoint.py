@@ -1,0 +1,91 @@
+"""NeMo Automodel's own checkpoint code, both ways: a draft saved by its checkpointer (what the EAGLE-3 recipe's
+save_checkpoint writes, recipes/llm/train_eagle3.py:1611-1676) and a draft directory loaded back by it.
+
+The draft is built as the recipe builds it (train_eagle3.py:610-659): the target's LlamaConfig with the draft
+keys set, `LlamaEagle3DraftModel(config).to(dtype)`. Saving goes through `Checkpointer.save_model` with a
+consolidated export, which writes `<step>/model/consolidated/` (config.json, one shard and its index); loading
+goes through `Checkpointer.load_model` on such a directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from conformance.checkpoints import CONFIG_FILE
+
+CONSOLIDATED = Path("model") / "consolidated"   # under the recipe's epoch_<E>_step_<S> directory
+
+
+def draft_config(raw: dict):
+    """The draft's config object, as the recipe makes it: the config class of its model_type (the target's,
+    `type(draft_base_config).from_dict`, train_eagle3.py:658), with the eager draft attention the recipe sets
+    (`draft_attn_implementation`, default "eager", train_eagle3.py:627; not serialized)."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[raw.get("model_type", "llama")].from_dict({**raw, "attn_implementation": "eager"})
+
+
+def build_draft(raw: dict, dtype: torch.dtype, device: str = "cpu"):
+    """LlamaEagle3DraftModel built and cast as the recipe does (train_eagle3.py:659). HF initialises its
+    parameters from the global generator: forked, so building a draft never moves other tests' streams."""
+    from nemo_automodel.components.speculative.eagle.draft_llama import LlamaEagle3DraftModel
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return LlamaEagle3DraftModel(draft_config(raw)).to(device=device, dtype=dtype)
+
+
+def checkpointer(root: Path, keys: list[str], consolidated: bool):
+    """NeMo's Checkpointer as the recipe configures it (train_eagle3.py:1558-1602), single process."""
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
+    config = CheckpointingConfig(enabled=True, checkpoint_dir=str(root), model_save_format="safetensors",
+                                 save_consolidated=consolidated, is_peft=False, model_state_dict_keys=keys)
+    return config.build(dp_rank=0, tp_rank=0, pp_rank=0, moe_mesh=None)
+
+
+@contextlib.contextmanager
+def quiet():
+    """NeMo's checkpointer warns about single-process DCP and its consolidation mode on every call."""
+    logs = [logging.getLogger(n) for n in ("root", "nemo_automodel")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+def save_with_nemo(raw_config: dict, stored: dict[str, torch.Tensor], step_dir: Path,
+                   dtype: torch.dtype = torch.float32) -> Path:
+    """`stored` (NeMo's tensor names) put into the draft the recipe builds from `raw_config`, saved by NeMo's
+    checkpointer into `step_dir`; returns the consolidated directory it wrote."""
+    model = build_draft(raw_config, dtype)
+    missing, unexpected = model.load_state_dict(stored, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"nemo: tensors the draft does not hold {unexpected}, or lacks {missing}")
+    with quiet():
+        checkpointer(step_dir.parent, list(model.state_dict()), consolidated=True).save_model(
+            model, str(step_dir), tokenizer=None, is_final_checkpoint=True)
+    return step_dir / CONSOLIDATED
+
+
+def load_with_nemo(ckpt_dir: Path, dtype: torch.dtype, device: str = "cpu"):
+    """A draft directory loaded by NeMo's checkpointer (`Checkpointer.load_model` on the HF safetensors) into
+    the draft the recipe builds from its config.json. Returns the model."""
+    raw = json.loads((Path(ckpt_dir) / CONFIG_FILE).read_text())
+    model = build_draft(raw, dtype, device)
+    # The checkpointer's own directory is where it would save; loading writes nothing, and never into ckpt_dir.
+    with quiet(), tempfile.TemporaryDirectory() as scratch:
+        checkpointer(Path(scratch), list(model.state_dict()), consolidated=False).load_model(model, str(ckpt_dir))
+    return model
