@@ -119,7 +119,7 @@ def role_problems(adapters: dict) -> list[str]:
         served = [c for c in ("runners", "other_formats", "served_boundaries", "target_capture", "server_settings",
                               "engine", "cpu_compile_fails") if getattr(a, c) != getattr(AdapterBase, c)]
         out += [f"{n}: {served} without is_server"] if served and not a.is_server else []
-        trained = [c for c in ("training", "training_capture") if getattr(a, c) is not None]
+        trained = [c for c in ("training", "training_capture", "save_checkpoint") if getattr(a, c) is not None]
         out += [f"{n}: {trained} without is_trainer"] if trained and not a.is_trainer else []
     return out
 
