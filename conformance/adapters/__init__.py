@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from conformance.adapters.nemo import NemoAdapter
 from conformance.adapters.reference import ReferenceAdapter
 from conformance.adapters.sglang import SGLangAdapter
 from conformance.adapters.specforge import SpecForgeAdapter
@@ -14,7 +15,8 @@ from conformance.adapters.vllm import VLLMAdapter
 from conformance.core import registry
 from conformance.loading.accounting import Accounting
 
-ADAPTERS = {a.name: a for a in (ReferenceAdapter, SpeculatorsAdapter, SGLangAdapter, SpecForgeAdapter, VLLMAdapter)}
+ADAPTERS = {a.name: a for a in (ReferenceAdapter, SpeculatorsAdapter, SGLangAdapter, SpecForgeAdapter, VLLMAdapter,
+                                NemoAdapter)}
 REFERENCE = ReferenceAdapter.name                                  # what every implementation is compared against
 # Every implementation under test, and those of them whose tests run in the default lane (the others run in a
 # lane of their own, e.g. `pytest -m vllm`: their adapter's `lane`; loops inside default-lane tests use these).

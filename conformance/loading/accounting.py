@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from conformance.core.common import first_line
 from conformance.core.tolerances import dtype_name
-from conformance.checkpoints import WEIGHTS_FILE
+from conformance.checkpoints import read_weights
 from reference.eagle3 import DraftBatch
 
 
@@ -90,8 +89,9 @@ class Accounting:
 
 
 def checkpoint_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(Path(ckpt_dir) / WEIGHTS_FILE), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+    """Every tensor under the name it is stored under, from whichever weight files the directory has (one
+    model.safetensors, or shards behind an index as NeMo's checkpointer writes them)."""
+    return read_weights(Path(ckpt_dir), stored_names=True)
 
 
 def _equal(param: torch.Tensor, tensor: torch.Tensor) -> bool:
