@@ -49,7 +49,7 @@ VERDICTS = 0) v="served as trained";; 1) v="NOT served as trained";; 4) v="bad i
 	6) v="not checked";; *) v="pytest's own code: no verdict";;
 check: $(if $(DRAFT),venv)
 	@test -n "$(DRAFT)" || { echo "usage: make check DRAFT=dir [DATA=file] [HIDDEN=dir] [TARGET=config.json]" \
-		"[SGLANG_ARGS=\"...\"] [TRAINER=speculators|specforge|eagle3] [TRAINED_AUX=embed,3,31]" \
+		"[SGLANG_ARGS=\"...\"] [TRAINER=speculators|specforge|eagle3|nemo] [TRAINED_AUX=embed,3,31]" \
 		"[SERVE_WITH=sglang|vllm|both]" >&2; exit 4; }
 	$(info $(PYTEST) -q $(strip $(CHECK_OPTIONS)))
 	@$(PYTEST) -q $(CHECK_OPTIONS); code=$$?; case $$code in $(VERDICTS) esac; echo "verdict: exit $$code ($$v)"; \

@@ -20,6 +20,7 @@ from conformance.session.report import Report
 
 from conformance.adapters import DEFAULT_SERVER as SERVE_WITH_DEFAULT, versions
 from conformance.session.report_render import terminal_lines
+from conformance.user.trainer import CHOICES as TRAINER_CHOICES
 
 
 # Hypothesis profiles: `ci` (the default: derandomized, so every run draws the same examples), `dev`
@@ -49,7 +50,7 @@ def pytest_addoption(parser):
                          "only the checks on your inputs and ends with one verdict (exit 0 served as trained, "
                          "1 not, 4 bad input, 6 not checked: an input a check needs was not given, the verdict "
                          "names the option)")
-    group.addoption("--trainer", default="auto", choices=("auto", "speculators", "specforge", "eagle3"),
+    group.addoption("--trainer", default="auto", choices=TRAINER_CHOICES,
                     help="how the draft was trained, i.e. what its aux-layer ids mean, when the checkpoint does not "
                          "say it (default: detected from the checkpoint)")
     group.addoption("--trained-aux-layers", metavar="LAYERS", default=None,

@@ -169,6 +169,14 @@ class DraftAdapter(Protocol):
                                                    # (adapters/sglang/engine.py, its shims engine_shims.py)
     training: ClassVar[ModuleType | None]          # its own training path: the acceptance area trains its tiny
                                                    # draft with it (adapters/speculators/training.py)
+    training_capture: ClassVar[ModuleType | None]  # a trainer's own capture of the target's aux states (its
+                                                   # target backends): the wiring area runs it on the suite's targets
+                                                   # against its convention in wiring/cases.py TRAINERS
+                                                   # (adapters/nemo/wiring.py)
+    # default None: a trainer's own save path (its recipe's checkpointer): (its config.json as a dict, the tensors
+    # under its format's stored names, a run directory) -> the draft directory it wrote there, as its users get
+    # it; the example generator writes the trainer's format with it (adapters/nemo/checkpoint.py save_with_nemo)
+    save_checkpoint: ClassVar[Callable[..., Path] | None]
     # default empty: (batch, context) shapes of the benchmark whose timed pass does not compile on a CPU host,
     # each with why (left out of the CPU sweep; not the implementation's maths)
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]]
@@ -225,6 +233,8 @@ class AdapterBase:
     server_settings: ClassVar[ModuleType | None] = None
     engine: ClassVar[ModuleType | None] = None
     training: ClassVar[ModuleType | None] = None
+    training_capture: ClassVar[ModuleType | None] = None
+    save_checkpoint: ClassVar[Callable[..., Path] | None] = None
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]] = MappingProxyType({})
 
     @classmethod

@@ -119,7 +119,8 @@ def role_problems(adapters: dict) -> list[str]:
         served = [c for c in ("runners", "other_formats", "served_boundaries", "target_capture", "server_settings",
                               "engine", "cpu_compile_fails") if getattr(a, c) != getattr(AdapterBase, c)]
         out += [f"{n}: {served} without is_server"] if served and not a.is_server else []
-        out += [f"{n}: training without is_trainer"] if a.training is not None and not a.is_trainer else []
+        trained = [c for c in ("training", "training_capture", "save_checkpoint") if getattr(a, c) is not None]
+        out += [f"{n}: {trained} without is_trainer"] if trained and not a.is_trainer else []
     return out
 
 
@@ -129,15 +130,17 @@ def test_adapter_roles_are_consistent():
 
 
 def test_planted_role_contradictions_are_named():
-    class Stray(ADAPTERS[REFERENCE]):   # the reference, claiming a server's engine and the default
+    class Stray(ADAPTERS[REFERENCE]):   # the reference, claiming a server's engine, the default and a trainer's capture
         engine = ADAPTERS[DEFAULT_SERVER].engine
         default_server = True
+        training_capture = ADAPTERS[DEFAULT_SERVER].engine
 
     class Bare:   # declares its own, no defaults
         name = "bare"
 
     problems = role_problems({**ADAPTERS, "stray": Stray, "bare": Bare})
     assert "bare: does not derive AdapterBase" in problems and "stray: ['engine'] without is_server" in problems
+    assert "stray: ['training_capture'] without is_trainer" in problems, problems
     assert f"default servers: {[DEFAULT_SERVER, 'stray']}" in problems, problems
 
 

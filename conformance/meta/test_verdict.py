@@ -17,6 +17,8 @@ flag with a pruned vocabulary and its own head; vLLM's reading of an absent key,
 problem naming each reading and the key to write. Where users run it, from a directory outside the repository
 and without pytest-xdist: pytest with the space form of --draft-checkpoint (its plugin loaded by its pytest11
 entry point) and the entry point `eagle3-conformance check`.
+A NeMo Automodel draft saved by NeMo's own checkpointer gets a verdict with its trainer detected, and one trained
+with a knob SGLang serves differently exits 1 naming it.
 The seed, from files: a draft trained on [embed, 3, 31] whose config.json was rewritten to ids SGLang
 turns into [3, 31, 59] on the real Kimi-K2.5 config is exactly that slot-by-slot problem, and the draft
 rewired as the verdict says exits 0; the seed's server flags on a user draft show the 16 -> 2 draft
@@ -221,7 +223,18 @@ READINGS = [
            "algos.py:33-35", '"norm_before_residual": false', "vllm: the directory as written"),
           ("--serve-with=vllm",), written=(("norm_before_residual", ABSENT),), lane="vllm"),
 ]
-CASES = PLANTED + CLEAN + SEED + ISSUE_23 + SETTINGS + READINGS
+# A NeMo Automodel draft as its own checkpointer saves it (the example's nemo format: model/consolidated/ of a run
+# directory): its trainer detected from the checkpoint, and SGLang's refusal of its class the one problem; trained with
+# a knob SGLang serves differently (attention_bias: NeMo's draft biases q/k/v/o, draft_llama.py:252-263), that knob.
+NEMO = [
+    Plant("nemo_saved", "nemo", None, 1, 1,
+          ("trainer: nemo (detected: config.json: architectures LlamaEagle3DraftModel",
+           "1. SGLang would not build an EAGLE-3 draft from this directory", "-m conformance.user.convert ")),
+    Plant("nemo_attention_bias", "nemo", "attention_bias", 1, None,
+          ("trainer: nemo (detected", "sglang-qkv-bias-dropped", "llama_eagle3.py:67-75",
+           "retrain without it: attention_bias false")),
+]
+CASES = PLANTED + CLEAN + SEED + ISSUE_23 + SETTINGS + READINGS + NEMO
 
 
 def runnable(case: Plant) -> bool:

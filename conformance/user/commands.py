@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from conformance.core.findings import CONVERT, SETTINGS, Problem
+from conformance.user.trainer import CHOICES
 
 PROG = "eagle3-conformance"
 # check's options -> the pytest options `make check` passes (conformance/plugin.py defines them).
@@ -21,7 +22,7 @@ OPTIONS = (
     ("--hidden", "--hidden-states", "DIR", "the samples' aux hidden states (speculators' datagen layout)"),
     ("--target-config", "--target-config", "FILE", "the target model's config.json"),
     ("--sglang-args", "--sglang-args", "ARGS", "the server's command line, quoted as one argument"),
-    ("--trainer", "--trainer", "NAME", "how the draft was trained: auto (default), speculators, specforge, eagle3"),
+    ("--trainer", "--trainer", "NAME", f"how the draft was trained: {', '.join(CHOICES)} (auto: detected)"),
     ("--trained-aux-layers", "--trained-aux-layers", "LAYERS", "the layers training captured, e.g. embed,3,31"),
     ("--serve-with", "--serve-with", "SERVER", "the server(s) to check against: sglang (default), vllm or both"),
 )

@@ -1,9 +1,11 @@
 """A tiny example draft on disk to try --draft-checkpoint with: clean, with a planted problem, or the seed's scenario.
 
-    python -m conformance.user.example_draft DIR [--format specforge|sglang|sglang-legacy|speculators]
+    python -m conformance.user.example_draft DIR [--format specforge|sglang|sglang-legacy|speculators|nemo]
                                                  [--plant PROBLEM] [--broken] [--seed-scenario]
 
-writes DIR/draft/ (config.json, model.safetensors), DIR/train.jsonl (training samples),
+writes DIR/draft/ (config.json, model.safetensors; a trainer's own format with a save path of its own, its
+adapter's `save_checkpoint`, as that trainer saves it: NeMo's checkpointer writes
+DIR/draft/epoch_0_step_1/model/consolidated/, the directory to check), DIR/train.jsonl (training samples),
 DIR/hidden_states/ (their aux states from a tiny target, speculators' datagen layout) and
 DIR/target/config.json (that tiny target's config, for --target-config), and prints the check of all of it,
 server flags included (a chain within the draft's positions), as a `make check` line and as the entry
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 from conformance.checkpoints.directory import write_draft
-from conformance.checkpoints import WRITABLE
+from conformance.checkpoints import WRITABLE, config_json, from_canonical
 from conformance.checkpoints.hidden_states import TinyTarget, write_dump
 from conformance.checkpoints.training_data import load_samples, make_samples, write_samples
 from fixtures.real_configs import REAL_CONFIGS
@@ -61,13 +63,31 @@ def write_example(root: Path, fmt: str = "specforge", broken: bool = False,
     weights = make_draft_weights(cfg, torch.Generator().manual_seed(SEED))
     if broken:
         weights["fc.bias"] = 0.5 * torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(SEED + 5))
-    draft = write_draft(cfg, weights, root / "draft", fmt, drop_embed=fmt == "specforge")
+    draft = write_as_trained(cfg, weights, root / "draft", fmt)
     ids = make_samples(cfg, LENGTHS, torch.Generator().manual_seed(SEED + 4))
     data = write_samples(root / "train.jsonl", ids, n_prompt=list(PROMPTS))
     samples = load_samples(data, cfg.vocab_size)
     target = TinyTarget(cfg, torch.Generator().manual_seed(SEED + 2))
     dump = write_dump(root / "hidden_states", samples, [target.hidden_states(list(s.input_ids)) for s in samples])
     return draft, data, dump
+
+
+def write_as_trained(cfg, weights: dict[str, torch.Tensor], out: Path, fmt: str) -> Path:
+    """The draft in `fmt` as its trainer writes it: by that trainer's own save path where its adapter has one
+    (NeMo's checkpointer, into a run directory: the draft directory is what it returns), else this suite's writer
+    (SpecForge's export drops embed_tokens)."""
+    from conformance.adapters import ADAPTERS
+
+    save = next((a.save_checkpoint for a in ADAPTERS.values() if a.checkpoint_format == fmt and a.save_checkpoint),
+                None)
+    if save is None:
+        return write_draft(cfg, weights, out, fmt, drop_embed=fmt == "specforge")
+    stored = {from_canonical(name, fmt): tensor for name, tensor in sorted(weights.items())}
+    return save(config_json(cfg, fmt), stored, out / RUN_DIR)
+
+
+# A trainer's own save path writes into a run directory named as its recipe names one (NeMo's train_eagle3.py:1638).
+RUN_DIR = "epoch_0_step_1"
 
 
 # Server flags the example is served with: a chain of the draft's trained steps, at a context its positions cover.

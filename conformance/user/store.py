@@ -119,19 +119,19 @@ class UserDraftStore(DraftStore):
             if "sglang" not in self.written_formats:
                 self.eagle_ids = served_ids(self.inputs.trainer, self.inputs.target_file, self.root / "twins")
                 write_served_ids(dirs["sglang"], self.eagle_ids[0])
-            # SpecForge reads its own directory as written (its names, its norm_output); any other format
-            # as this suite writes SpecForge's, when SpecForge can express it (else its adapter skips). Only
-            # for a draft SpecForge trained: no other runs it (trainer.other_trainers).
+            # A trainer with a format of its own (SpecForge's, NeMo's) reads its own directory as written (its
+            # names, its readings); any other format as this suite writes its format, when that format can
+            # express the draft (else its adapter skips). Only for a draft that trainer trained: no other runs
+            # it (trainer.other_trainers).
             run_formats = {a.checkpoint_format for impl, a in ADAPTERS.items()
                            if impl not in other_trainers(self.inputs.trainer)}
-            if "specforge" not in run_formats:
-                pass
-            elif src.format == "specforge":
-                dirs["specforge"] = _as_written(src, root / "specforge", weights)
-                self.written_formats.add("specforge")
-            else:
-                with contextlib.suppress(ConversionError):
-                    dirs["specforge"] = converted("specforge", root / "specforge")
+            for fmt in sorted(run_formats - set(dirs)):
+                if src.format == fmt:
+                    dirs[fmt] = _as_written(src, root / fmt, weights)
+                    self.written_formats.add(fmt)
+                else:
+                    with contextlib.suppress(ConversionError):
+                        dirs[fmt] = converted(fmt, root / fmt)
             self._checkpoints[case.id] = dirs
         return self._checkpoints[case.id]
 

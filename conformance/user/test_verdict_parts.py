@@ -135,3 +135,38 @@ def test_a_conversion_keeps_the_keys_the_file_states(tmp_path):
     assert not store.inputs.config.tie_word_embeddings, "training reads the stored head"
     config = json.loads((store.directory("speculators", store.case) / "config.json").read_text())
     assert config["tie_word_embeddings"] is True and config["transformer_layer_config"]["tie_word_embeddings"] is True
+
+
+def test_a_nemo_checkpoint_says_who_trained_it(tmp_path):
+    """NeMo's own save path (the example's nemo format, its checkpointer) names the trainer by its class; NeMo's own
+    SGLang export (serve_sglang's rewrite of architectures, in place) keeps its recipe-only key and its model.-prefixed
+    tensors, which still name it. Planted: either mark alone is not NeMo's."""
+    import json
+    import shutil
+
+    from nemo_automodel.components.speculative.serve_sglang import _rewrite_config_for_sglang
+
+    from conformance.checkpoints.weights import read_weights, save_weights
+
+    draft, _, _ = write_example(tmp_path / "nemo", "nemo")
+    trainer = resolve_trainer(open_checkpoint(draft))
+    assert trainer.name == "nemo" and "architectures LlamaEagle3DraftModel" in trainer.source, trainer
+    # NeMo's default for the depth its config names (the target's, 8): inputs of [2, 4, 5], output ids [1, 3, 4]
+    assert trainer.training_ids() == (2, 4, 5) and "8-layer target" in trainer.describe(), trainer.describe()
+    renamed = shutil.copytree(draft, tmp_path / "renamed")
+    _rewrite_config_for_sglang(renamed / "config.json", renamed / "config.json", "EAGLE3")
+    found = resolve_trainer(open_checkpoint(renamed))
+    assert found.name == "nemo" and "parallel_drafting" in found.source, found
+
+    no_key = shutil.copytree(renamed, tmp_path / "no_key")
+    config = json.loads((no_key / "config.json").read_text())
+    del config["parallel_drafting"]
+    (no_key / "config.json").write_text(json.dumps(config))
+    unprefixed = shutil.copytree(renamed, tmp_path / "unprefixed")
+    weights = read_weights(unprefixed, stored_names=True)
+    for f in unprefixed.glob("*.safetensors*"):
+        f.unlink()
+    save_weights({k.removeprefix("model."): v for k, v in weights.items()}, unprefixed / "model.safetensors")
+    for planted in (no_key, unprefixed):
+        assert resolve_trainer(open_checkpoint(planted)).name is None, planted.name
+    assert resolve_trainer(open_checkpoint(no_key), "nemo").source == "stated by --trainer"

@@ -1,10 +1,11 @@
 """Who trained the user's draft, and so which target layers its aux slots were trained on.
 
 A draft's aux-layer ids mean different layers to different trainers (eagle3-semantics.md §2.1):
-speculators and the original EAGLE-3 count "input of layer i" (0 = the embeddings), SpecForge and
-SGLang's `eagle_config` count "output of layer i". The checkpoint says who trained it when its format
-does (speculators' config.json, the original EAGLE-3 export, SpecForge's midlayer names); a flat
-SGLang-format draft does not, and `--trainer` states it. A config.json rewritten for serving no longer
+speculators and the original EAGLE-3 count "input of layer i" (0 = the embeddings), SpecForge, NeMo
+Automodel and SGLang's `eagle_config` count "output of layer i". The checkpoint says who trained it when
+its format does (speculators' config.json, the original EAGLE-3 export, SpecForge's midlayer names, NeMo's
+`LlamaEagle3DraftModel`, or NeMo's saved layout under SGLang's class name); a flat SGLang-format draft does
+not, and `--trainer` states it. A config.json rewritten for serving no longer
 holds the ids training used; `--trained-aux-layers embed,3,31` states those layers themselves. The ids
 here are always in the training convention (input of layer i), as reference.eagle3.Eagle3Config holds them.
 """
@@ -16,7 +17,7 @@ from conformance.checkpoints.directory import DraftCheckpoint
 from conformance.checkpoints.errors import load_json
 from conformance.checkpoints.knobs import CONFIG_FILE
 
-TRAINERS = ("speculators", "specforge", "eagle3")
+TRAINERS = ("speculators", "specforge", "eagle3", "nemo")
 CHOICES = ("auto", *TRAINERS)
 TRAINED_OPTION = "--trained-aux-layers"
 
@@ -29,18 +30,33 @@ TRAINER_MEANING = {
     "speculators": "input of layer i, 0 = embeddings (speculators models/utils.py:110-116)",
     "specforge": "output of layer i (SpecForge algorithms/model_providers.py:188-211)",
     "eagle3": "input of layers {2, N//2, N-3}, hard-coded (EAGLE modeling_llama_kv.py:1139-1140)",
+    "nemo": "output of layer i, default [1, N//2-1, N-4] (NeMo Automodel speculative/eagle/target.py:42-61, "
+            ":276-285); its config.json saves no ids (recipes/llm/train_eagle3.py:610-650)",
     None: "SGLang's eagle_config convention, output of layer i (spec_aux_hidden_state.py:185-196)",
 }
 TRAINER_DETECTED_FROM = {
     "speculators": f"{CONFIG_FILE}: speculators_model_type",
     "eagle3": f"{CONFIG_FILE}: architectures LlamaForCausalLM with draft_vocab_size (the original EAGLE-3 export)",
     "specforge": "tensor names midlayer.* without SGLang's legacy use_aux_norm (SpecForge's export)",
+    "nemo": f"{CONFIG_FILE}: architectures LlamaEagle3DraftModel (NeMo Automodel's recipe, "
+            "recipes/llm/train_eagle3.py:613)",
 }
-FORMAT_TRAINER = {"speculators": "speculators", "eagle": "eagle3", "specforge": "specforge"}
+FORMAT_TRAINER = {"speculators": "speculators", "eagle": "eagle3", "specforge": "specforge", "nemo": "nemo"}
+# NeMo's saved directory after its own SGLang export renamed the class (speculative/serve_sglang.py:133-155
+# rewrites architectures to LlamaForCausalLMEagle3 and keeps every other key): still NeMo's, by the key only its
+# recipe writes (train_eagle3.py:648, parallel_drafting) and LlamaEagle3DraftModel's `model.`-prefixed tensors
+# (draft_llama.py:768-831; lm_head, d2t and t2d are its own).
+NEMO_KEY, NEMO_PREFIX = "parallel_drafting", "model."
+NEMO_RENAMED = (f"{CONFIG_FILE}: {NEMO_KEY} (only NeMo Automodel's recipe writes it, recipes/llm/train_eagle3.py:648) "
+                f"and {NEMO_PREFIX}-prefixed tensors (its LlamaEagle3DraftModel, draft_llama.py:768-831), "
+                "architectures renamed for SGLang (as its speculative/serve_sglang.py:133-155 does)")
 # How far each trainer's stored ids sit from "input of layer i", wherever in config.json they were written
 # (speculators: input of layer i; SpecForge: output of layer i = input of layer i + 1). The original EAGLE-3
 # ignores stored ids (hard-coded defaults); an unnamed trainer's ids are read as this suite's parser read them.
-TRAINER_ID_SHIFT = {"speculators": 0, "specforge": 1}
+TRAINER_ID_SHIFT = {"speculators": 0, "specforge": 1, "nemo": 1}
+# Trainers whose config.json states the target's depth (NeMo copies the target's config, num_hidden_layers
+# included, train_eagle3.py:610): with no ids saved, their format's parser reads the ids as that depth's default.
+DEPTH_IN_CONFIG = ("nemo",)
 # The adapter that runs each trainer's own training forward on the user's draft. A draft is judged against
 # its trainer's implementation only, not another trainer's loader; a trainer without an adapter (the original
 # EAGLE-3) keeps speculators'. A draft whose trainer is neither stated nor detected runs no trainer's
@@ -83,6 +99,8 @@ class Trainer:
         layer count and it is not known."""
         if self.stated_ids is not None:
             return self.stated_ids
+        if self.stored_ids is None and self.name in DEPTH_IN_CONFIG and self.parsed_ids is not None:
+            return self.parsed_ids
         if self.stored_ids is None or (self.name in TRAINERS and self.name not in TRAINER_ID_SHIFT):
             return default_ids(num_layers) if num_layers else None
         if self.name in TRAINER_ID_SHIFT:
@@ -99,6 +117,9 @@ class Trainer:
                     f"{TRAINED_OPTION}")
         trained = f"trained on inputs of layers {list(ids)}" if ids is not None else \
             "trained on the trainer's default layers of the target (needs --target-config)"
+        if self.stored_ids is None and self.name in DEPTH_IN_CONFIG and ids == self.parsed_ids and ids:
+            trained += (f" (its default for the {ids[-1] + 3}-layer target its {CONFIG_FILE} names in "
+                        f"num_hidden_layers; a run with other aux_layer_ids: state them with {TRAINED_OPTION})")
         return f"{who} ({self.source}); {where}, read as {self.meaning}: {trained}"
 
 
@@ -162,6 +183,13 @@ def _stored_ids(raw: dict) -> tuple[tuple[int, ...] | None, str]:
     return None, ""
 
 
+def nemo_renamed(raw: dict, ckpt: DraftCheckpoint) -> bool:
+    """NeMo's saved directory under another class name: its recipe's own key and its draft's tensor names."""
+    names = [info.stored_name for info in ckpt.tensors.values()]
+    drafted = [n for n in names if n not in ("lm_head.weight", "d2t", "t2d")]
+    return NEMO_KEY in raw and bool(drafted) and all(n.startswith(NEMO_PREFIX) for n in drafted)
+
+
 def resolve_trainer(ckpt: DraftCheckpoint, option: str | None = "auto",
                     stated: tuple[int, ...] | None = None) -> Trainer:
     """--trainer when given, else what the checkpoint's format says (or nothing, for SGLang's format);
@@ -178,6 +206,8 @@ def resolve_trainer(ckpt: DraftCheckpoint, option: str | None = "auto",
     elif ckpt.format in FORMAT_TRAINER:
         name = FORMAT_TRAINER[ckpt.format]
         source = f"detected: {TRAINER_DETECTED_FROM[name]}"
+    elif nemo_renamed(raw, ckpt):
+        name, source = "nemo", f"detected: {NEMO_RENAMED}"
     elif stated is not None:
         name, source = None, f"{ckpt.format} format does not say"
     else:

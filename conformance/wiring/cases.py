@@ -3,6 +3,7 @@ wiring cases (defaults, explicit ids, the seed case shrunk to the tiny target), 
 SGLang reads, and which registry `wiring` entries apply to a case."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -12,6 +13,7 @@ from conformance.core.registry import Known, applicable
 
 from conformance.core.areas import WIRING_KINDS
 from conformance.core.common import by_id
+from conformance.checkpoints import config_json
 from fixtures.checkpoint import sglang_config_json, speculators_config_json
 from fixtures.targets import (
     TARGET_HIDDEN, TARGET_LAYERS, TargetSpec,
@@ -45,9 +47,17 @@ class Trainer:
     default: Callable[[int], tuple]       # the ids it uses when none are given, for an N-layer target
     writes_ids: bool                      # whether its draft config carries the ids at all
     source: str                           # where that is defined
+    # Without ids in its config: the config formats its drafts come in (the others would be the same file).
+    formats: tuple[str, ...] = ("speculators", "sglang")
+    # The target classes (architectures[0]) it trains a draft for; None: any. A trainer's adapter with a
+    # `training_capture` checks this against its own code (conformance/wiring/test_training_capture.py).
+    trains_for: tuple[str, ...] | None = None
 
     def boundaries(self, ids: tuple[int, ...] | None, n: int = N) -> tuple[int, ...]:
         return tuple(i + self.offset for i in (self.default(n) if ids is None else ids))
+
+    def trains(self, target: TargetSpec) -> bool:
+        return self.trains_for is None or target.config["architectures"][0] in self.trains_for
 
 
 TRAINERS = {t.name: t for t in (
@@ -61,6 +71,18 @@ TRAINERS = {t.name: t for t in (
             "ids, default [1, N//2-1, N-4], written to eagle_config"),
     Trainer("eagle3", "inputs of layers {2, N//2, N-3}, hard-coded", 0, lambda n: (2, n // 2, n - 3), False,
             "SafeAILab/EAGLE eagle/traineagle3/modeling_llama_kv.py:1139-1140; its config carries no ids"),
+    # Its HF target (the co-located default); its SGLang runner hands the same ids to SGLang's target class
+    # instead, which reads them as eagle_config ids (conformance/adapters/nemo/wiring.py).
+    Trainer("nemo", "output of layer i (its HF target hooks decoder layer i's output)", 1,
+            lambda n: (1, n // 2 - 1, n - 4), False,
+            "nemo_automodel 0.7.0 speculative/eagle/target.py:42-61 (default [1, N//2-1, N-4], every backend), "
+            "target.py:276-285 (a forward hook on decoder layer i keeps its output); its saved config.json "
+            "carries no ids (recipes/llm/train_eagle3.py:610-650)",
+            formats=("nemo",),
+            # its EAGLE-3 draft registry (speculative/eagle/registry.py:66-111): no Kimi-K2.5 wrapper
+            trains_for=("LlamaForCausalLM", "Phi3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                        "GptOssForCausalLM", "DeepseekV3ForCausalLM", "Gemma4ForConditionalGeneration",
+                        "KimiK3ForCausalLM", "KimiK3ForConditionalGeneration")),
 )}
 
 
@@ -93,6 +115,11 @@ TRAINING_CASES: tuple[WiringCase, ...] = (
     WiringCase("speculators_final", "speculators", (2, 5, N),
                "id N: the final hidden (also SpecForge's output id N-1)"),
     WiringCase("specforge_explicit", "specforge", (2, 5, 8), "SpecForge output-of-layer ids, first id 2"),
+    WiringCase("nemo_default", "nemo", summary="NeMo's default [1, N//2-1, N-4] (output of layer i), no ids saved"),
+    WiringCase("nemo_explicit", "nemo", (2, 5, 8), "NeMo run with aux_layer_ids [2, 5, 8]: its config saves none"),
+    WiringCase("nemo_ids_in_eagle_config", "nemo", (2, 5, 8),
+               "NeMo's ids [2, 5, 8] written into eagle_config to serve it (what its SGLang runner hands SGLang)",
+               config_ids=(2, 5, 8)),
 )
 
 # The bug that started the project, on a 61-layer DeepSeek-V3-style target (Kimi-K2.5): training fed
@@ -128,15 +155,18 @@ FORMATS = {
                         "as the DeepSeek/Kimi drafts ship them, e.g. SpecForge kimi-k25-eagle3.json [2, 30, 58])",
     "sglang_top_level": "the SGLang-format config with the ids at the top level (where speculators and vLLM "
                         "keep them) and no eagle_config",
+    "nemo": "conformance/checkpoints/formats/nemo.py: NeMo Automodel's saved config.json, the target's config "
+            "(num_hidden_layers its depth) with architectures LlamaEagle3DraftModel and no ids",
 }
+FORMATS_WITHOUT_IDS = ("nemo",)   # only a trainer that writes no ids comes in them
 
 
 def formats_for(case: WiringCase) -> tuple[str, ...]:
     if case.config_ids is not None:
         return ("sglang",)                       # the seed: the config as shipped
     if not TRAINERS[case.trainer].writes_ids:
-        return ("speculators", "sglang")         # no ids: the other formats would be the same file
-    return tuple(FORMATS)
+        return TRAINERS[case.trainer].formats    # no ids: the other formats would be the same file
+    return tuple(f for f in FORMATS if f not in FORMATS_WITHOUT_IDS)
 
 
 def draft_config_json(case: WiringCase, fmt: str) -> dict:
@@ -146,6 +176,8 @@ def draft_config_json(case: WiringCase, fmt: str) -> dict:
                       num_aux_hidden_states=len(case.boundaries), aux_layer_ids=written)
     if fmt == "speculators":
         return speculators_config_json(cfg)
+    if fmt == "nemo":   # the target's depth, no ids (the writer takes the ids as that depth's NeMo default)
+        return config_json(dataclasses.replace(cfg, aux_layer_ids=TRAINERS["nemo"].boundaries(None)), fmt)
     out = sglang_config_json(cfg)
     if case.config_ids is not None:
         out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(case.config_ids), "use_aux_hidden_state": True}
@@ -203,9 +235,10 @@ def known_wiring(target: TargetSpec, case: WiringCase, fmt: str) -> tuple[Known,
 
 
 def wiring_matrix(targets) -> list[tuple[TargetSpec, WiringCase, str]]:
-    """target x training case x format; the seed cases on DeepSeek-family targets only."""
+    """target x training case x format; the seed cases on DeepSeek-family targets only; a trainer's cases only on
+    the targets it trains a draft for."""
     return [(t, c, f) for t in targets
             for c in TRAINING_CASES + (SEED_CASES if t.capture_rule == "first_id_is_one" else ())
-            for f in formats_for(c)]
+            if TRAINERS[c.trainer].trains(t) for f in formats_for(c)]
 
 
