@@ -35,22 +35,23 @@ class Problem:
     also: list[str] = field(default_factory=list)     # the other runs that showed it
     remedy: str = ""          # CONVERT when the fix is a command of this suite's (the verdict prints it)
 
-    def to_json(self, number: int) -> dict:
+    def to_json(self, number: int, known_ids=()) -> dict:
+        """As the user reads it: without its own registry id or any of `known_ids` (the registry's, which the
+        caller knows: core/registry.py builds on this module), every file:line with its package path."""
         out = {"number": number, **{f: getattr(self, f) for f in FIELDS}}
         if self.also:
             out["evidence"] += "; also in: " + ", ".join(self.also)
-        out = {f: cited(plain(text, self.known), self.impl) if f in FIELDS else text for f, text in out.items()}
+        ids = {self.known, *known_ids}
+        out = {f: cited(plain(text, ids), self.impl) if f in FIELDS else text for f, text in out.items()}
         return {**out, "area": AREA_OF_RANK[self.rank], "impl": self.impl or None, "registry_id": self.known or None,
                 "remedy": self.remedy or None, "checks": sorted(self.checks)}
 
 
-def plain(text: str, known: str) -> str:
-    """The text without the registry's own names for its entries (the problem's own, `known`, and any other it
+def plain(text: str, known_ids) -> str:
+    """The text without the registry's own names for its entries (`known_ids`: the problem's own and any other it
     cites, as a reading problem cites each implementation's): the user reads what and why; the ids stay in
     report.json (`registry_id`) and report.md's details."""
-    from conformance.core.registry import REGISTRY   # not at import: the registry's entries are read from here
-
-    for known in {known, *(entry.id for entry in REGISTRY)} - {""}:
+    for known in set(known_ids) - {""}:
         text = text.replace(f" ({known})", "").replace(f"the registry's {known}: ", "")
     return text
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from conformance.core.findings import FORWARD, LOADING, OTHER, READING, Problem, cited
+from conformance.core.registry import REGISTRY
 
 SERVED, NOT_SERVED, NOT_CHECKED = "served as trained", "NOT served as trained", "not checked"
 EXIT_SERVED, EXIT_NOT_SERVED, EXIT_BAD_INPUT, EXIT_NOT_CHECKED = 0, 1, 4, 6
@@ -37,6 +38,7 @@ EXIT_SERVED, EXIT_NOT_SERVED, EXIT_BAD_INPUT, EXIT_NOT_CHECKED = 0, 1, 4, 6
 _NOT_CHECKED = re.compile(r"^not checked: (?P<area>.+) \(give (?P<option>--[\w-]+)\)$")
 NOT_APPLICABLE = "not applicable: "
 USER_MARK = "user"
+REGISTRY_IDS = frozenset(entry.id for entry in REGISTRY)   # never shown to the user (Problem.to_json)
 USER_DIR = Path(__file__).resolve().parent   # the focused run collects only test files here
 
 
@@ -131,7 +133,7 @@ class Verdict:
                 "headline": self.headline(), **{k: cited(v) for k, v in self.context.items()}, "checks": checks,
                 "not_checked": [{"what": area, "how": how} for area, how in self.unchecked.items()],
                 "not_run": [{"what": check, "why": why} for check, why in self.not_run.items()],
-                "versions": versions, "problems": [p.to_json(n) for n, p in enumerate(self.ordered(), 1)]}
+                "versions": versions, "problems": [p.to_json(n, REGISTRY_IDS) for n, p in enumerate(self.ordered(), 1)]}
 
 
 def check_name(nodeid: str) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from conformance.engine.served import Pass, ServedRound
+from conformance.core.rounds import Pass, ServedRound
 
 NAME = "vllm"   # the report's server column (conformance/engine/reporting.py)
 ROOT = Path(__file__).resolve().parents[3]
