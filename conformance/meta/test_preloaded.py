@@ -6,6 +6,7 @@ suite's own plugin before forking (the child's pytest says it cannot rewrite it)
 starts a thread (refused: a fork copies no thread, and a lock one held stays held)."""
 from __future__ import annotations
 
+import difflib
 import re
 import subprocess
 import sys
@@ -43,8 +44,10 @@ def test_a_preloaded_run_is_a_real_process_run(tmp_path):
     real = run_pytest(f"--draft-checkpoint={draft}", f"--report={report}", "--trainer=speculators")
     assert real.returncode == 1 and "VERDICT: NOT served" in real.stdout, real.stdout[-3000:] + real.stderr[-3000:]
     for run in forked(tmp_path, draft, report, OWN_REWRITTEN):
-        assert run.returncode == real.returncode and without_summary(run.stdout) == without_summary(real.stdout), \
-            f"real:\n{real.stdout[-6000:]}\nforked:\n{run.stdout[-6000:]}{run.stderr[-3000:]}"
+        diff = list(difflib.unified_diff(without_summary(real.stdout), without_summary(run.stdout), "real", "forked",
+                                         lineterm=""))
+        assert run.returncode == real.returncode and not diff, \
+            f"exit {run.returncode} (real {real.returncode}):\n" + "\n".join(diff[:80]) + run.stderr[-3000:]
 
 
 def test_a_parent_that_imported_the_plugin_is_caught(tmp_path):
