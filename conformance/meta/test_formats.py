@@ -20,13 +20,14 @@ from fixtures.tiny import make_config, make_draft_weights
 pytestmark = [pytest.mark.cpu, pytest.mark.meta]
 # SpecForge's EAGLE-3 draft: one layer, three aux states, no extra norms or biases (semantics §1.2).
 SPECFORGE_CASES = [c for c in ALL_CASES if c.id in ("gqa", "mha_full_vocab", "target_hidden", "fc_norm",
-                                                    "fc_norm_target_hidden", "rope_llama3", "rope_yarn", "rope_linear")]
+                                                    "fc_norm_target_hidden", "rope_llama3", "rope_yarn", "rope_linear",
+                                                    "default_nemo_0_7")]
 # NeMo Automodel 0.7.0's Llama draft: one layer, three aux states, no input norm, raw-hidden residual, no window,
 # untied, Llama-shaped, whole-head RoPE (conformance/checkpoints/formats/nemo.py); multi-step cases of those.
 NEMO_CASES = [c for c in ALL_CASES if c.id in (
     "gqa", "mha_full_vocab", "target_hidden", "fc_norm", "fc_norm_target_hidden", "norm_output", "attention_bias",
     "mlp_bias", "rope_llama3", "rope_yarn", "rope_linear", "deep_positions", "ms_gqa", "ms_norm_output",
-    "ms_target_hidden", "ms_rope_yarn", "ms_positions_from_1", "ms_chunked_extend")]
+    "ms_target_hidden", "ms_rope_yarn", "ms_positions_from_1", "ms_chunked_extend", "default_nemo_0_7")]
 PARTIAL = {"specforge": SPECFORGE_CASES, "nemo": NEMO_CASES}   # formats of trainers that cannot express every case
 
 

@@ -76,7 +76,9 @@ def test_only_modules_pytest_leaves_alone_are_preloaded():
     import conformance.plugin
     import torch
 
-    assert {"conformance", "hypothesis"} <= rewritten()
+    # pytest's own rule: this suite is among them where its sources are listed (a source tree's egg-info), but
+    # never preloaded either way (OWN)
+    assert "hypothesis" in rewritten()
     assert importable("torch", torch) and not importable("conformance.plugin", conformance.plugin)
     assert not importable("fixtures.tiny", None) and not importable("sglang.test_utils", None)
     assert not importable("hypothesis.strategies", None)
