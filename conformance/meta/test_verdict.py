@@ -245,7 +245,8 @@ NEMO = [
            "sglang 0.5.23: num_hidden_layers layers, the unstored ones never loaded (8 built, 1 loaded, "
            "layers.1-7 never loaded", "nemo 0.7.0: the layers stored (1 built, 1 loaded",
            "llama_eagle3.py:197-204", "draft_llama.py:760-763", "serve_sglang.py:311-321",
-           'fix:      "num_hidden_layers": 1', "-m conformance.user.convert ", "the forward departs at draft step 0"),
+           'fix:      "num_hidden_layers": 1', "-m conformance.user.convert ", "the forward departs at draft step 0",
+           "never loaded: model.layers.1-7.{"),
           absent=("does not load the checkpoint as written", "missing (needed because"), prepared_for="sglang"),
 ]
 CASES = PLANTED + CLEAN + SEED + ISSUE_23 + SETTINGS + READINGS + NEMO
