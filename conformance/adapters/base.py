@@ -177,6 +177,10 @@ class DraftAdapter(Protocol):
     # under its format's stored names, a run directory) -> the draft directory it wrote there, as its users get
     # it; the example generator writes the trainer's format with it (adapters/nemo/checkpoint.py save_with_nemo)
     save_checkpoint: ClassVar[Callable[..., Path] | None]
+    # default empty: a trainer's own helper that prepares the directory its save path wrote for a server, per server
+    # adapter name: (that directory) -> the directory the server is given, rewritten in place as the helper does;
+    # the example generator runs it (adapters/nemo/checkpoint.py prepare_for_sglang, NeMo's serve_sglang)
+    prepare_for_server: ClassVar[Mapping[str, Callable[[Path], Path]]]
     # default empty: (batch, context) shapes of the benchmark whose timed pass does not compile on a CPU host,
     # each with why (left out of the CPU sweep; not the implementation's maths)
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]]
@@ -235,6 +239,7 @@ class AdapterBase:
     training: ClassVar[ModuleType | None] = None
     training_capture: ClassVar[ModuleType | None] = None
     save_checkpoint: ClassVar[Callable[..., Path] | None] = None
+    prepare_for_server: ClassVar[Mapping[str, Callable[[Path], Path]]] = MappingProxyType({})
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]] = MappingProxyType({})
 
     @classmethod

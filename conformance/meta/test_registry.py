@@ -329,10 +329,12 @@ def test_settings_entries_flag_a_probe(entry, settings_probes):
 
 # ---------------------------------------------------------------- readings of one file
 
-# Files as users write them (the example draft in a format, top-level config keys rewritten; None: removed), each
-# read by every implementation as the verdict gives it the file (conformance/user/store.py).
+# Files as users write them (the example draft in a format, top-level config keys rewritten; None: removed; or
+# prepared for a server by its trainer's own helper), each read by every implementation as the verdict gives it the
+# file (conformance/user/store.py).
 READING_PROBES = {"tie_pruned_own_head": ("sglang", {"tie_word_embeddings": True}),
-                  "absent_norm_before_residual": ("speculators", {"norm_before_residual": None})}
+                  "absent_norm_before_residual": ("speculators", {"norm_before_residual": None}),
+                  "nemo_served_by_serve_sglang": ("nemo", {}, "sglang")}
 
 
 @pytest.fixture(scope="module")
@@ -344,8 +346,8 @@ def reading_stores(tmp_path_factory) -> dict:
     from conformance.user.user_draft import validate_inputs
 
     root, out = tmp_path_factory.mktemp("readings"), {}
-    for name, (fmt, keys) in READING_PROBES.items():
-        draft, _, _ = write_example(root / name, fmt)
+    for name, (fmt, keys, *prepared) in READING_PROBES.items():
+        draft, _, _ = write_example(root / name, fmt, prepared_for=prepared[0] if prepared else None)
         config = json.loads((draft / "config.json").read_text())
         for key, value in keys.items():
             config.pop(key) if value is None else config.__setitem__(key, value)
@@ -389,6 +391,8 @@ BOGUS_READINGS = [
           reads="true"),
     Known("reading", "bogus-no-probe", "sglang", ">=0", "hidden_size == 12345", "x", key="tie_word_embeddings",
           reads="embed_tokens"),
+    Known("reading", "bogus-sglang-builds-the-stored-layers", "sglang", ">=0", "format == 'nemo-sglang'", "x",
+          key="num_hidden_layers", reads="the layers stored"),
 ]
 
 

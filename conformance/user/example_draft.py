@@ -2,6 +2,7 @@
 
     python -m conformance.user.example_draft DIR [--format specforge|sglang|sglang-legacy|speculators|nemo]
                                                  [--plant PROBLEM] [--broken] [--seed-scenario]
+                                                 [--prepared-for sglang]
 
 writes DIR/draft/ (config.json, model.safetensors; a trainer's own format with a save path of its own, its
 adapter's `save_checkpoint`, as that trainer saves it: NeMo's checkpointer writes
@@ -14,6 +15,9 @@ format is written as SpecForge exports it: midlayer names, no embed_tokens. --pl
 SGLang serves differently (PLANTS); --broken (= --plant dropped_tensor) adds an fc.bias the config does
 not declare (a draft trained with a bias whose config lost it): the reference uses it, SGLang's loader
 drops it silently, speculators' refuses it.
+
+--prepared-for SERVER then runs the trainer's own helper that prepares its saved directory for that server (NeMo's
+serve_sglang, which renames the class and keeps the target's num_hidden_layers: the directory to check).
 
 --seed-scenario writes the seed's scenario instead: the draft (SGLang's format) trained on the target layers
 [embed, 3, 31] whose config.json says eagle_config ids [3, 31, 59], as Kimi-K2.5 serving configs do, with
@@ -54,9 +58,11 @@ PLANTS = {
 }
 
 
-def write_example(root: Path, fmt: str = "specforge", broken: bool = False,
-                  plant: str | None = None, knobs: dict | None = None) -> tuple[Path, Path, Path]:
-    """(draft dir, JSONL file, hidden-state dump dir) under `root`; `knobs`: further config overrides."""
+def write_example(root: Path, fmt: str = "specforge", broken: bool = False, plant: str | None = None,
+                  knobs: dict | None = None, prepared_for: str | None = None) -> tuple[Path, Path, Path]:
+    """(draft dir, JSONL file, hidden-state dump dir) under `root`; `knobs`: further config overrides;
+    `prepared_for`: a server whose preparation by the trainer's own helper the draft directory then gets
+    (prepare_as_trainer)."""
     broken = broken or plant == DROPPED_TENSOR
     cfg = make_config(**{**EXAMPLE, **(PLANTS[plant] if plant else {}), **(knobs or {})}) if plant or knobs \
         else EXAMPLE_CONFIG
@@ -64,6 +70,8 @@ def write_example(root: Path, fmt: str = "specforge", broken: bool = False,
     if broken:
         weights["fc.bias"] = 0.5 * torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(SEED + 5))
     draft = write_as_trained(cfg, weights, root / "draft", fmt)
+    if prepared_for is not None:
+        draft = prepare_as_trainer(draft, fmt, prepared_for)
     ids = make_samples(cfg, LENGTHS, torch.Generator().manual_seed(SEED + 4))
     data = write_samples(root / "train.jsonl", ids, n_prompt=list(PROMPTS))
     samples = load_samples(data, cfg.vocab_size)
@@ -84,6 +92,18 @@ def write_as_trained(cfg, weights: dict[str, torch.Tensor], out: Path, fmt: str)
         return write_draft(cfg, weights, out, fmt, drop_embed=fmt == "specforge")
     stored = {from_canonical(name, fmt): tensor for name, tensor in sorted(weights.items())}
     return save(config_json(cfg, fmt), stored, out / RUN_DIR)
+
+
+def prepare_as_trainer(draft: Path, fmt: str, server: str) -> Path:
+    """The directory the trainer of `fmt` hands `server`, prepared by that trainer's own helper (its adapter's
+    `prepare_for_server`; NeMo's serve_sglang rewrites the saved config.json in place)."""
+    from conformance.adapters import ADAPTERS
+
+    prepare = next((a.prepare_for_server[server] for a in ADAPTERS.values()
+                    if a.checkpoint_format == fmt and server in a.prepare_for_server), None)
+    if prepare is None:
+        raise ValueError(f"no trainer's own helper prepares the {fmt} format for {server}")
+    return prepare(draft)
 
 
 # A trainer's own save path writes into a run directory named as its recipe names one (NeMo's train_eagle3.py:1638).
@@ -147,12 +167,20 @@ def check_lines(options: dict[str, str]) -> list[str]:
     return lines + [check_command(options)]
 
 
+def _prepared() -> tuple[str, ...]:
+    from conformance.adapters import ADAPTERS
+
+    return tuple(sorted({server for a in ADAPTERS.values() for server in a.prepare_for_server}))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--format", default="specforge", choices=WRITABLE)
     parser.add_argument("--plant", choices=sorted(PLANTS), default=None)
     parser.add_argument("--broken", action="store_true")
+    parser.add_argument("--prepared-for", default=None, choices=_prepared(),
+                        help="then prepared for this server by the trainer's own helper (nemo: its serve_sglang)")
     parser.add_argument("--seed-scenario", action="store_true",
                         help="the seed's draft: trained on [embed, 3, 31], config.json ids [3, 31, 59], Kimi-K2.5")
     args = parser.parse_args(argv)
@@ -162,7 +190,8 @@ def main(argv=None) -> int:
         options = {"DRAFT": draft, "--target-config": target, "--trained-aux-layers": SEED_TRAINED,
                    "--sglang-args": SEED_SGLANG_ARGS.format(context=context)}
     else:
-        draft, data, dump = write_example(args.out, args.format, args.broken, args.plant)
+        draft, data, dump = write_example(args.out, args.format, args.broken, args.plant,
+                                          prepared_for=args.prepared_for)
         target = write_example_target(args.out, args.format, args.plant)
         options = {"DRAFT": draft, "--data": data, "--hidden": dump, "--target-config": target,
                    "--sglang-args": EXAMPLE_SGLANG_ARGS.format(context=context)}

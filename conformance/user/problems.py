@@ -140,6 +140,33 @@ def accounting_problems(impl: str, cfg: Eagle3Config, known, acct) -> list[Probl
             "not a registered divergence: the accounting names the parameters"
         fix = (f"{RETRAIN} ({', '.join(dropped)}); or delete the tensor if training did not use it" if dropped
                else UNKNOWN_FIX)
-        out.append(Problem(f"{_version(impl)} does not load the checkpoint as written", "; ".join(unexplained),
+        out.append(Problem(f"{_version(impl)} does not load the checkpoint as written", _by_layer(unexplained),
                            landed, cause, fix, LOADING, key=f"{impl}:accounting", impl=impl))
     return out
+
+
+_LAYER_PARAM = re.compile(r"(?P<kind>[^:]+): (?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<rest>.+)")
+
+
+def _by_layer(findings: list[str]) -> str:
+    """The accounting's findings, one line: layers whose parameters share a finding alike (a model built deeper
+    than the file: layers 1..N-1 never loaded) as one span of layers with their parameters, the rest by name."""
+    spans: dict[tuple[str, str], dict[int, list[str]]] = {}
+    for finding in findings:
+        if m := _LAYER_PARAM.fullmatch(finding):
+            spans.setdefault((m["kind"], m["prefix"]), {}).setdefault(int(m["layer"]), []).append(m["rest"])
+    out, shown = [], set()
+    for finding in findings:
+        m = _LAYER_PARAM.fullmatch(finding)
+        layers = spans.get((m["kind"], m["prefix"]), {}) if m else {}
+        whole = [i for i, rest in layers.items() if sorted(rest) == sorted(layers[min(layers)])]
+        if not m or len(whole) < 2 or int(m["layer"]) not in whole:
+            out.append(finding)
+        elif (m["kind"], m["prefix"]) not in shown:
+            shown.add((m["kind"], m["prefix"]))
+            count = sum(len(layers[i]) for i in whole)
+            span = f"{min(whole)}-{max(whole)}" if len(whole) == max(whole) - min(whole) + 1 else \
+                ",".join(map(str, sorted(whole)))
+            names = ", ".join(sorted(layers[min(whole)]))
+            out.append(f"{m['kind']}: {m['prefix']}{span}.{{{names}}} ({count} parameters)")
+    return "; ".join(out)

@@ -8,16 +8,20 @@ they agree.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from conformance.adapters import REFERENCE
 from conformance.checkpoints.knobs import CONFIG_FILE
 from conformance.core import registry
 from conformance.core.areas import Reading
-from conformance.core.findings import READING, Problem
+from conformance.core.findings import CONVERT, READING, Problem
 from conformance.core.matching import judge
 from conformance.user.problems import UNKNOWN_FIX
 
 NOT_OBSERVED = "not observed"
+# A reading whose fix names this suite's converter (it writes every key in training's reading): the verdict prints
+# the conversion and the check of it (conformance/user/commands.py fix_commands).
+CONVERTER = "conformance.user.convert"
 
 
 def lm_head(acct) -> str:
@@ -37,10 +41,43 @@ def _knob(name: str):
     return read
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+STORED_LAYERS = "the layers stored"
+STATED_LAYERS = "num_hidden_layers layers, the unstored ones never loaded"
+
+
+def _layers(acct) -> tuple[list[int], list[int]]:
+    """(the decoder layers the loaded model has, those a checkpoint tensor reached), by its parameters' names."""
+    loaded = {int(m[1]) for _, where in acct.landed if (m := _LAYER.search(where))}
+    built = loaded | {int(m[1]) for name in acct.never_loaded if (m := _LAYER.search(name))}
+    return sorted(built), sorted(loaded)
+
+
+def layers(acct) -> str:
+    """How many decoder layers an implementation builds for num_hidden_layers: the layers the file stores, or
+    num_hidden_layers of them with those the file does not store never loaded (its weight accounting)."""
+    built, loaded = _layers(acct)
+    if acct.refused or not built:
+        return f"{NOT_OBSERVED}: {acct.refused or 'no decoder layer'}"
+    return STORED_LAYERS if built == loaded else STATED_LAYERS
+
+
+def layers_seen(acct) -> str:
+    """The numbers behind `layers`: built, loaded, and the layers never loaded."""
+    built, loaded = _layers(acct)
+    unloaded = [i for i in built if i not in loaded]
+    span = (f"layers.{unloaded[0]}" + (f"-{unloaded[-1]}" if len(unloaded) > 1 else "")) if unloaded else ""
+    return f"{len(built)} built, {len(loaded)} loaded" + (f", {span} never loaded" if span else "") if built else ""
+
+
 # Per config key: what it decides in the loaded model, read off an Accounting (loading/accounting.py).
 OBSERVE = {"tie_word_embeddings": lm_head,
            "norm_before_residual": _knob("norm_before_residual"),   # observed by running layer 0
-           "sliding_window": _knob("sliding window")}
+           "sliding_window": _knob("sliding window"),
+           "num_hidden_layers": layers}                              # observed in its weight accounting
+# Per key, the numbers an observation stands for, shown beside it (the reading itself is what a registry entry
+# matches: the same words for every depth).
+SEEN = {"num_hidden_layers": layers_seen}
 
 
 def names(ckpt) -> dict[str, object]:
@@ -68,11 +105,13 @@ def reading_problems(store, accounts: dict) -> list[Problem]:
         departs = [impl for impl, hit in hits.items() if hit and readings[impl] != trained]
         if not departs:
             continue
-        out.append(_problem(store, key, readings, hits, departs))
+        seen = {impl: SEEN[key](acct) if key in SEEN else "" for impl, acct in accounts.items()}
+        out.append(_problem(store, key, readings, hits, departs, seen))
     return out
 
 
-def _problem(store, key: str, readings: dict[str, str], hits: dict, departs: list[str]) -> Problem:
+def _problem(store, key: str, readings: dict[str, str], hits: dict, departs: list[str],
+             seen: dict[str, str]) -> Problem:
     parsed = store.inputs.checkpoint.parsed
     stated = ("true as written, which training overrules" if key in parsed.overruled else
               "absent: each implementation's default" if key in parsed.absent else "as written")
@@ -83,7 +122,8 @@ def _problem(store, key: str, readings: dict[str, str], hits: dict, departs: lis
 
     def how(impl: str) -> str:
         copy = "" if impl == REFERENCE or store.as_written(impl) else ", of this suite's conversion to its format"
-        return f"{who(impl)}: {readings[impl]} (observed on its loaded model{copy})"
+        numbers = f"{seen[impl]}; " if seen.get(impl) else ""
+        return f"{who(impl)}: {readings[impl]} ({numbers}observed on its loaded model{copy})"
 
     entries = [e for impl in readings if impl in hits for e in hits[impl]]
     fix = next((e.fix for impl in departs for e in hits[impl] if e.fix), None) or UNKNOWN_FIX
@@ -92,4 +132,5 @@ def _problem(store, key: str, readings: dict[str, str], hits: dict, departs: lis
                    f"{key} otherwise than training ({first.id})", f"{CONFIG_FILE}: {key} ({stated})",
                    "; ".join(how(impl) for impl in readings),
                    " ".join(f"{e.impl} ({e.id}): {e.reason}" for e in entries), fix, READING,
-                   key=f"reading:{key}", known=first.id, impl=departs[0])
+                   key=f"reading:{key}", known=first.id, impl=departs[0],
+                   remedy=CONVERT if CONVERTER in fix else "")

@@ -43,7 +43,10 @@ from conformance.user.user_draft import (FIXTURE_FORMAT, INPUTS_KEY, SEED, USER_
 from fixtures.cases import DraftCase
 from reference.eagle3 import Eagle3Config
 
-SGLANG_FAMILY = ("sglang", "sglang-legacy", "specforge")   # formats SGLang loads as they are
+SGLANG_FAMILY = ("sglang", "sglang-legacy", "specforge", "nemo-sglang")   # formats SGLang loads as they are
+# A format another trainer's own loader also reads as written: NeMo's directory renamed for SGLang by NeMo's
+# serve_sglang is still NeMo's checkpoint (its loader ignores architectures, checkpoints/formats/nemo_sglang.py).
+ALSO_READ_AS = {"nemo-sglang": "nemo"}
 RANDOM_LENGTHS = (9, 5, 12)                 # token counts when no training data is given
 # SGLang modules whose import fails on a CPU host (no deep_ep, no torch_memory_saver) and which keep the
 # ImportError in a module global: imported first from here, the failing import's frames hold nothing; left
@@ -126,7 +129,7 @@ class UserDraftStore(DraftStore):
             run_formats = {a.checkpoint_format for impl, a in ADAPTERS.items()
                            if impl not in other_trainers(self.inputs.trainer)}
             for fmt in sorted(run_formats - set(dirs)):
-                if src.format == fmt:
+                if fmt in (src.format, ALSO_READ_AS.get(src.format)):
                     dirs[fmt] = _as_written(src, root / fmt, weights)
                     self.written_formats.add(fmt)
                 else:
@@ -139,7 +142,8 @@ class UserDraftStore(DraftStore):
         """The format of the directory `impl` loads the user's draft from: the user's own where `impl` reads it
         (its adapter's format or one of its `other_formats`), else its adapter's (a conversion)."""
         adapter, fmt = ADAPTERS[impl], self.inputs.checkpoint.format
-        own = "sglang" if fmt in SGLANG_FAMILY and adapter.checkpoint_format == "sglang" else fmt
+        own = "sglang" if fmt in SGLANG_FAMILY and adapter.checkpoint_format == "sglang" else \
+            ALSO_READ_AS.get(fmt, fmt) if adapter.checkpoint_format == ALSO_READ_AS.get(fmt) else fmt
         return own if own in (adapter.checkpoint_format, *getattr(adapter, "other_formats", ())) \
             else adapter.checkpoint_format
 

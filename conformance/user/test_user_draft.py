@@ -78,7 +78,7 @@ def fail(problem: Problem, verdict, nodeid: str, message: str, repro: str = ""):
     kept = verdict.add(problem, nodeid)
     again = f"\n  repro: {repro}" if repro else ""
     if verdict.printed:
-        pytest.fail(f"{plain(kept.what, kept.known)} (in the verdict below){again}", pytrace=False)
+        pytest.fail(f"{plain(kept.what, (kept.known,))} (in the verdict below){again}", pytrace=False)
     again = again if repro not in message else ""   # a comparison's message ends with it already
     pytest.fail(f"{message}\n  cause: {kept.cause}\n  fix: {kept.fix}{again}", pytrace=False)
 

@@ -170,3 +170,29 @@ def test_a_nemo_checkpoint_says_who_trained_it(tmp_path):
     for planted in (no_key, unprefixed):
         assert resolve_trainer(open_checkpoint(planted)).name is None, planted.name
     assert resolve_trainer(open_checkpoint(no_key), "nemo").source == "stated by --trainer"
+
+
+def test_nemo_prepared_by_its_serve_sglang_is_read_as_nemo_reads_it(tmp_path):
+    """NeMo's serve_sglang renames the class of its saved directory and keeps the target's depth: read as NeMo reads
+    it (one layer, the nemo-sglang format), not bad input, and the converter writes one layer. Planted: the same
+    directory with its depth rewritten to the stored layer is plain SGLang format."""
+    import json
+    import shutil
+
+    from conformance.checkpoints.directory import convert
+
+    draft, _, _ = write_example(tmp_path / "nemo", "nemo", prepared_for="sglang")
+    stated = json.loads((draft / "config.json").read_text())
+    assert stated["architectures"] == ["LlamaForCausalLMEagle3"] and stated["num_hidden_layers"] == 8, stated
+    ckpt = open_checkpoint(draft)
+    assert ckpt.format == "nemo-sglang" and ckpt.config.num_hidden_layers == 1, (ckpt.format, ckpt.config)
+    assert any("the target's" in note for note in ckpt.parsed.notes), ckpt.parsed.notes
+    assert resolve_trainer(ckpt).name == "nemo"
+    converted = json.loads((convert(draft, tmp_path / "converted", "sglang") / "config.json").read_text())
+    assert converted["num_hidden_layers"] == 1, converted
+
+    rewritten = shutil.copytree(draft, tmp_path / "rewritten")
+    config = json.loads((rewritten / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (rewritten / "config.json").write_text(json.dumps(config))
+    assert open_checkpoint(rewritten).format == "sglang"

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from types import ModuleType
-from typing import Callable, ClassVar
+from types import MappingProxyType, ModuleType
+from typing import Callable, ClassVar, Mapping
 
 import torch
 
 from conformance.adapters.base import AdapterBase, Drafter, TimedPass, batch_on
 from conformance.adapters.nemo import wiring
-from conformance.adapters.nemo.checkpoint import load_with_nemo, quiet, save_with_nemo
+from conformance.adapters.nemo.checkpoint import load_with_nemo, prepare_for_sglang, quiet, save_with_nemo
 from conformance.adapters.nemo.recorder import Recorder
 from conformance.adapters.speculators.adapter import teacher_forced_drafter
 from conformance.checkpoints import read_weights
@@ -52,6 +52,9 @@ class NemoAdapter(AdapterBase):
     serving_decode: ClassVar[bool] = False
     training_capture: ClassVar[ModuleType | None] = wiring   # its HF target and its SGLang runner (wiring.py)
     save_checkpoint: ClassVar[Callable[..., Path] | None] = staticmethod(save_with_nemo)   # its checkpointer
+    # its own SGLang helper (serve_sglang.py): the directory its users serve with SGLang
+    prepare_for_server: ClassVar[Mapping[str, Callable[[Path], Path]]] = MappingProxyType(
+        {"sglang": prepare_for_sglang})
     # Checkpointer.load_model reads the draft's own keys through DCP (torch/distributed/checkpoint/
     # default_planner.py create_default_local_load_plan): a missing one raises, an extra one is never read.
     silent_drop: ClassVar[str | None] = ("Checkpointer.load_model reads only the draft's own keys through torch DCP "

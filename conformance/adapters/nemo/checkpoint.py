@@ -89,3 +89,16 @@ def load_with_nemo(ckpt_dir: Path, dtype: torch.dtype, device: str = "cpu"):
     with quiet(), tempfile.TemporaryDirectory() as scratch:
         checkpointer(Path(scratch), list(model.state_dict()), consolidated=False).load_model(model, str(ckpt_dir))
     return model
+
+
+def prepare_for_sglang(draft_dir: Path) -> Path:
+    """NeMo's own SGLang helper on a directory its checkpointer wrote (`resolve_draft_artifacts(draft, "EAGLE3")`,
+    speculative/serve_sglang.py:281-351, what its `serve_sglang --draft DIR` runs before launching SGLang): for the
+    consolidated layout it rewrites config.json in place, `architectures` only (:311-321; num_hidden_layers is
+    rewritten only by its legacy draft_model.pt export, :274-275), and returns the directory SGLang is given. Its
+    missing-token-map warning is quieted: the draft's d2t is in its tensors. Writes into `draft_dir`, as NeMo does."""
+    from nemo_automodel.components.speculative.serve_sglang import resolve_draft_artifacts
+
+    with quiet():
+        served, _ = resolve_draft_artifacts(str(draft_dir), "EAGLE3")
+    return Path(served)

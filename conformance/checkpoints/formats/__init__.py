@@ -12,18 +12,19 @@ keeps every tensor bit-exact and every knob.
 | specforge     | flat LlamaConfig export: no eagle_config, SpecForge's norm_output | midlayer.*, no embed_tokens |
 | eagle         | original EAGLE-3: LlamaForCausalLM + draft_vocab_size (read only) | midlayer.*           |
 | nemo          | the target's LlamaConfig, architectures LlamaEagle3DraftModel | model.*, one shard + index |
+| nemo-sglang   | nemo's, architectures renamed by NeMo's serve_sglang (read only) | model.*, fewer layers than stated |
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from conformance.checkpoints.errors import CheckpointError, ConversionError
-from conformance.checkpoints.formats import eagle, nemo, sglang, sglang_legacy, specforge, speculators
+from conformance.checkpoints.formats import eagle, nemo, nemo_sglang, sglang, sglang_legacy, specforge, speculators
 from conformance.checkpoints.knobs import ParsedConfig
 from conformance.checkpoints.schema import LEGACY_FC_NORM
 from reference.eagle3 import Eagle3Config
 
-MODULES = {m.NAME: m for m in (speculators, sglang, sglang_legacy, specforge, eagle, nemo)}
+MODULES = {m.NAME: m for m in (speculators, sglang, sglang_legacy, specforge, eagle, nemo, nemo_sglang)}
 FORMATS = tuple(MODULES)
 WRITABLE = tuple(name for name, m in MODULES.items() if hasattr(m, "config_json"))
 EAGLE3_ARCH = sglang.ARCHITECTURE
@@ -38,6 +39,8 @@ def config_format(raw: dict, file: Path, tensor_names: list[str] | None = None) 
         raise CheckpointError(file, "field architectures", f"missing or not a list ({arch!r}); cannot tell the format")
     if arch[0] == EAGLE3_ARCH:
         names = tensor_names or []
+        if nemo_sglang.detected(raw, names):
+            return nemo_sglang.NAME
         if not any(n.startswith(("midlayer.", "model.midlayer.")) for n in names):
             return sglang.NAME
         # midlayer names are SpecForge's module names (and the original EAGLE-3's); SGLang's own legacy

@@ -109,8 +109,9 @@ def format_checks(knobs: dict, problems: list, notes: list) -> None:
                                                         f"({CANNOT_EXPRESS['partial_rotary_factor']})"))
 
 
-def parse(raw: dict, file: Path) -> ParsedConfig:
-    parsed = parse_flat(raw, file, NAME, format_checks=format_checks)
+def parse(raw: dict, file: Path, name: str = NAME) -> ParsedConfig:
+    """`name`: the format as detected (NeMo's layout under another class name reads the same, nemo_sglang.py)."""
+    parsed = parse_flat(raw, file, name, format_checks=format_checks)
     if raw.get("parallel_drafting"):
         problems = (("field parallel_drafting", "true: a P-EAGLE head, not an EAGLE-3 TTT draft "
                                                 "(draft_llama.py:84-103)"), *parsed.problems)
