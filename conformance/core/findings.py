@@ -45,11 +45,14 @@ class Problem:
 
 
 def plain(text: str, known: str) -> str:
-    """The text without the registry's own name for the entry: the user reads what and why; the id stays in
-    report.json (`registry_id`)."""
-    if not known:
-        return text
-    return text.replace(f" ({known})", "").replace(f"the registry's {known}: ", "")
+    """The text without the registry's own names for its entries (the problem's own, `known`, and any other it
+    cites, as a reading problem cites each implementation's): the user reads what and why; the ids stay in
+    report.json (`registry_id`) and report.md's details."""
+    from conformance.core.registry import REGISTRY   # not at import: the registry's entries are read from here
+
+    for known in {known, *(entry.id for entry in REGISTRY)} - {""}:
+        text = text.replace(f" ({known})", "").replace(f"the registry's {known}: ", "")
+    return text
 
 
 # ---------------------------------------------------------------- file:line citations

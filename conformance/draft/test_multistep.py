@@ -19,7 +19,7 @@ from conformance.core.trace import Trace
 from conformance.core.compare import compare_traces
 from conformance.session.harness import assert_conforms, conformance_params
 from conformance.core.tolerances import DTYPES
-from fixtures.cases import CASES_BY_ID, MULTISTEP_CASES
+from fixtures.cases import CASES_BY_ID, DEFAULT_CASES, DEFAULT_STEPS, MULTISTEP_CASES
 
 STEPS = 7
 SERVING = [impl for impl in ALL_IMPLEMENTATIONS if ADAPTERS[impl].serving_decode]   # they draft freely
@@ -37,6 +37,23 @@ def test_multistep_teacher_forced_matches_reference(impl, dtype_name, case, draf
                          list(conformance_params(SERVING, ["fp32"], MULTISTEP_CASES, extra_id="free")))
 def test_multistep_free_running_matches_reference(impl, dtype_name, case, drafts, report, request, repro):
     assert_conforms(drafts, report, impl, case, dtype_name, request.node.nodeid, repro, steps=STEPS,
+                    teacher_forced=False)
+
+
+# Each trainer's default draft (fixtures/cases.py DEFAULT_CASES) at K = DEFAULT_STEPS in both modes, in fp32 (exact;
+# bf16 runs its step 0, test_step0.py): report.md's verdict on each reads these and its step-0 runs.
+@pytest.mark.cpu
+@pytest.mark.parametrize("impl,dtype_name,case", list(conformance_params(
+    ALL_IMPLEMENTATIONS, ["fp32"], DEFAULT_CASES, extra_id=f"teacher-k{DEFAULT_STEPS}", steps=DEFAULT_STEPS)))
+def test_default_draft_teacher_forced_matches_reference(impl, dtype_name, case, drafts, report, request, repro):
+    assert_conforms(drafts, report, impl, case, dtype_name, request.node.nodeid, repro, steps=DEFAULT_STEPS)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("impl,dtype_name,case", list(conformance_params(
+    SERVING, ["fp32"], DEFAULT_CASES, extra_id=f"free-k{DEFAULT_STEPS}", steps=DEFAULT_STEPS)))
+def test_default_draft_free_running_matches_reference(impl, dtype_name, case, drafts, report, request, repro):
+    assert_conforms(drafts, report, impl, case, dtype_name, request.node.nodeid, repro, steps=DEFAULT_STEPS,
                     teacher_forced=False)
 
 

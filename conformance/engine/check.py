@@ -40,7 +40,8 @@ def exact(step: int, stage: str, actual: torch.Tensor, expected: torch.Tensor) -
                        numel=actual.numel(), tol=tol, detail=detail)
 
 
-def served_trace(served: ServedRound, last_row: int, num_layers: int, chain: bool) -> tuple[Trace, list]:
+def served_trace(served: ServedRound, last_row: int, num_layers: int, chain: bool,
+                 impl: str = IMPL) -> tuple[Trace, list]:
     """The served round as a Trace on the reference's rows, and its positions per step."""
     n = sum(len(p.positions) for p in served.extend)
     rows0 = torch.arange(last_row + 1 - n, last_row + 1)
@@ -64,21 +65,23 @@ def served_trace(served: ServedRound, last_row: int, num_layers: int, chain: boo
             steps[k]["target_ids"], all_rows[k]["target_ids"] = token[None], torch.tensor([last_row])
     # A tree's drafted ids are its candidates (compared as the tree after the last step), not one per step.
     claimed = CLAIMED if chain else CLAIMED - {"target_ids"}
-    trace = Trace(impl=IMPL, dtype=torch.float32, steps=steps, rows=all_rows, claimed_stages=claimed,
+    trace = Trace(impl=impl, dtype=torch.float32, steps=steps, rows=all_rows, claimed_stages=claimed,
                   num_layers=num_layers)
     return trace, positions
 
 
-def compare_round(served: ServedRound, ref: ReferenceRound, case_id: str, chain: bool = True) -> Comparison:
-    """Positions, then every canonical stage of every step, then (chains) the accepted drafts."""
+def compare_round(served: ServedRound, ref: ReferenceRound, case_id: str, chain: bool = True,
+                  impl: str = IMPL) -> Comparison:
+    """Positions, then every canonical stage of every step, then (chains) the accepted drafts. `impl`: the
+    served side's name in the message (the engine that served it)."""
     layers = ref.trace.num_layers
-    trace, positions = served_trace(served, ref.last_row, layers, chain)
+    trace, positions = served_trace(served, ref.last_row, layers, chain, impl)
     steps = min(len(trace.steps), len(ref.trace.steps))
     cmp = compare_traces(trace, ref.trace, case_id, steps=steps)
     results = []
     if len(trace.steps) != len(ref.trace.steps):
         results.append(StageResult(steps - 1, "draft_passes", DIVERGED, detail=(
-            f"SGLang ran {len(trace.steps)} draft steps (step 0 and its decode passes), the reference "
+            f"{impl} ran {len(trace.steps)} draft steps (step 0 and its decode passes), the reference "
             f"{len(ref.trace.steps)}")))
     for step in range(steps):
         results.append(exact(step, POSITIONS, *positions[step]))
@@ -90,10 +93,10 @@ def compare_round(served: ServedRound, ref: ReferenceRound, case_id: str, chain:
 
 
 def first_divergent_round(served: list[ServedRound], reference: list[ReferenceRound], case_id: str,
-                          chain: bool = True) -> tuple[int, Comparison | None]:
+                          chain: bool = True, impl: str = IMPL) -> tuple[int, Comparison | None]:
     """The first round whose comparison fails (later rounds start from other contexts), or (rounds, None)."""
     for r, (s, ref) in enumerate(zip(served, reference)):
-        cmp = compare_round(s, ref, f"{case_id}, round {r}", chain)
+        cmp = compare_round(s, ref, f"{case_id}, round {r}", chain, impl)
         if cmp.first_divergence is not None:
             return r, cmp
     return min(len(served), len(reference)), None

@@ -39,10 +39,11 @@ def record_request(report: Recorder, scenario_id: str, finding: RequestFinding, 
     first = None if finding.divergence is None else finding.divergence.first_divergence
     meta = finding.request.served.meta
     report.add_row(Section.ENGINE, {
-        "scenario": scenario_id, "request": finding.request.label, "cached tokens": meta.get("cached_tokens"),
-        "verify ct SGLang/ref": f"{served['verify_ct']}/{ref['verify_ct']}",
-        "histogram SGLang": str(served["histogram"]), "histogram ref": str(ref["histogram"]),
-        "accept length SGLang": served["accept_length"], "accept length ref": ref["accept_length"],
+        "server": f"{ENGINE.NAME} engine", "scenario": scenario_id, "request": finding.request.label,
+        "cached tokens": meta.get("cached_tokens"),
+        "verify ct served/ref": f"{served['verify_ct']}/{ref['verify_ct']}",
+        "histogram served": str(served["histogram"]), "histogram ref": str(ref["histogram"]),
+        "accept length served": served["accept_length"], "accept length ref": ref["accept_length"],
         "lossless": finding.lossless_failure() is None,
         "rounds conforming": f"{finding.conforming_rounds}/{len(finding.request.rounds)}",
         "first divergence": "none" if first is None else

@@ -40,7 +40,7 @@ def test_planted_serving_fault_fails_the_lane(fault, engine_lane, report, repro)
         f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`",
         "expected": f"round {fault.round}, step {fault.step} `{fault.stage}`",
         "lossless": finding.lossless_failure() is None,
-        "accept length SGLang/ref": f"{finding.served_stats['accept_length']:.4g}/"
+        "accept length served/ref": f"{finding.served_stats['accept_length']:.4g}/"
                                     f"{finding.reference_stats(fault.group.scenarios[0].new_tokens)['accept_length']:.4g}"})
     assert failures, f"{fault.id}: the engine lane passed with the fault planted ({fault.summary})"
     assert first is not None, f"{fault.id}: no round diverged; the lane failed only on: {failures}"

@@ -1,4 +1,5 @@
-"""The verdict as a user gets it: `pytest --draft-checkpoint=DIR` in a real subprocess, on planted drafts.
+"""The verdict as a user gets it: `pytest --draft-checkpoint=DIR`, on planted drafts, and every command it prints
+pasted from another directory.
 
 Each problem class is one tiny draft trained with one knob SGLang serves differently (PLANTS in
 conformance/user/example_draft.py), written in SGLang's format so that nothing else is wrong with it:
@@ -19,7 +20,15 @@ entry point) and the entry point `eagle3-conformance check`.
 The seed, from files: a draft trained on [embed, 3, 31] whose config.json was rewritten to ids SGLang
 turns into [3, 31, 59] on the real Kimi-K2.5 config is exactly that slot-by-slot problem, and the draft
 rewired as the verdict says exits 0; the seed's server flags on a user draft show the 16 -> 2 draft
-tokens. The runs are independent subprocesses, two at a time.
+tokens. Every case that exits 1 prints commands: each `repro:` line, run from another directory, fails again
+with the same problem; where the verdict prints fixes, they run from there too and the check it prints after them
+no longer names the problems they fix.
+
+The runs are independent pytest sessions, two at a time, each in a child forked from one process that has done
+the imports a user run does (conformance/meta/preloaded.py: 25 s a run become 3-5); the printed commands run the
+same way, as the shell splits them. The cases that are about how a user's process starts (`how`) are real
+processes, and two cases' printed commands are also pasted into a real shell
+(test_the_printed_commands_work_in_a_real_shell).
 """
 from __future__ import annotations
 
@@ -38,11 +47,13 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from conformance.meta.preloaded import Preloaded
 from conformance.meta.test_report_story import report_contradictions
 from conformance.user.commands import CONVERTED
 from conformance.user.example_draft import DROPPED_TENSOR, PLANTS, write_example
 from conformance.user.servable import conversion_findings, directory_problem, served_ids
-from conformance.user.verdict import Verdict
+from conformance.user.verdict import EXIT_NOT_SERVED, EXIT_SERVED, Verdict
+from conformance.core import registry
 from conformance.core.findings import DIRECTORY, FORWARD, LOADING, OTHER, Problem
 from fixtures.real_configs import REAL_CONFIGS
 
@@ -81,12 +92,13 @@ MAKE_CHECK, PYTEST_OUTSIDE, ENTRY_POINT_OUTSIDE = "make check", "pytest outside"
 NO_XDIST = ("-p", "no:xdist")
 
 
-def run_as_user(how: str, draft: Path, args: tuple[str, ...], report: Path,
-                outside: Path) -> subprocess.CompletedProcess:
+def run_as_user(how: str, draft: Path, args: tuple[str, ...], report: Path, outside: Path,
+                preloaded: Preloaded) -> subprocess.CompletedProcess:
     """The verdict on `draft` as `how` runs it, its report in `report`; `outside`: an empty directory outside the
-    repository."""
+    repository. make check's run is the same pytest session started from the preloaded process."""
     if how == MAKE_CHECK:
-        return run_pytest(f"--draft-checkpoint={draft}", f"--report={report}", *args)
+        return preloaded.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--draft-checkpoint={draft}",
+                              f"--report={report}", *args])
     outside.mkdir(parents=True)
     if how == PYTEST_OUTSIDE:
         return run_pytest(*NO_XDIST, "-m", "cpu", "--draft-checkpoint", str(draft), "--report", str(report), *args,
@@ -220,7 +232,14 @@ def runnable(case: Plant) -> bool:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, request) -> dict[str, Future]:
+def preloaded(tmp_path_factory):
+    process = Preloaded(tmp_path_factory.mktemp("preloaded"))
+    yield process
+    process.close()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, request, preloaded) -> dict[str, Future]:
     """Every selected case's run, started at once, WORKERS at a time: (CompletedProcess, seconds)."""
     root = tmp_path_factory.mktemp("verdict")
     pool = ThreadPoolExecutor(WORKERS)
@@ -228,14 +247,13 @@ def runs(tmp_path_factory, request) -> dict[str, Future]:
     def run(case: Plant, draft: Path):
         start = time.perf_counter()
         report = root / case.id / "report"
-        result = run_as_user(case.how, draft, case.args, report, root / f"{case.id}-cwd")
+        result = run_as_user(case.how, draft, case.args, report, root / f"{case.id}-cwd", preloaded)
         return result, time.perf_counter() - start, report
 
     # The drafts are written here, one after the other: only the subprocesses run in threads (a first import
     # of a transformers class from two threads at once can fail inside its lazy module).
     selected = {item.callspec.params["case"].id for item in request.session.items
-                if getattr(item, "function", None) in (test_the_verdict_names_the_problem,
-                                                       test_every_printed_command_is_pasteable)}
+                if getattr(item, "function", None) in USING_RUNS}
     cases = [case for case in CASES if case.id in selected and runnable(case)]   # `-k` runs only what it selects
     drafts = {}
     for case in cases:
@@ -304,21 +322,49 @@ def test_the_verdict_names_the_problem(case, runs):
         assert all(f"   {part}:" in item for part in ("where", "evidence", "cause", "fix")), item
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.exit == 1], ids=lambda c: c.id)
+NOT_SERVED = [c for c in CASES if c.exit == 1]
+FIXES = re.compile(r"^fix (?P<numbers>[\d, ]+) and check again \(paste from any directory\):$", re.M)
+PROBLEM = re.compile(r"^(\d+)\. (.+)$", re.M)
+REPRO = re.compile(r"^(?P<failed>.+) \(in the verdict below\)\n  repro: (?P<command>.+)$", re.M)
+
+
+@dataclass(frozen=True)
+class Printed:
+    """The commands a run printed: each failed check with its `repro:` line, and the verdict's fixes."""
+    problems: dict[int, str]              # the verdict's numbered problems
+    repros: list[tuple[str, str]]         # (the failed check's words, its repro command)
+    fixed: list[int]                      # the problems the fix commands fix
+    fixes: list[str]                      # the fix commands, the check of the fixed draft last
+
+    @classmethod
+    def of(cls, stdout: str) -> "Printed":
+        block = verdict_block(stdout)
+        fixed, fixes = [], []
+        if m := FIXES.search(block):
+            fixed = [int(n) for n in m["numbers"].split(", ")]
+            for line in block[m.end():].splitlines()[1:]:
+                if not line.startswith("  "):
+                    break
+                fixes.append(line.strip())
+        problems = {int(n): what for n, what in PROBLEM.findall(block)}
+        return cls(problems, [(m["failed"], m["command"]) for m in REPRO.finditer(stdout)], fixed, fixes)
+
+    @property
+    def commands(self) -> list[str]:
+        return [command for _, command in self.repros] + self.fixes
+
+
+@pytest.mark.parametrize("case", NOT_SERVED, ids=lambda c: c.id)
 def test_every_printed_command_is_pasteable(case, runs):
     """Every `repro:` and fix command the run printed is the user's own check with the user's own options and
-    names its files by absolute paths that exist: pasteable from any directory. Two cases paste them and run
-    them (conformance/meta/test_printed_commands.py); this holds the form for every planted case."""
+    names its files by absolute paths that exist (test_the_printed_commands_do_what_they_say runs them)."""
     result, _, report = runs[case.id].result()
     assert not (found := unpasteable(result.stdout, case.args, report)), "\n".join(found)
 
 
 def unpasteable(stdout: str, args: tuple[str, ...], report: Path) -> list[str]:
     """What keeps a printed command from being pasted from another directory and doing what it says."""
-    block = verdict_block(stdout)
-    fixes = block.split("and check again (paste from any directory):\n", 1)[1:]
-    commands = [line.split("repro: ", 1)[1] for line in stdout.splitlines() if "  repro: " in line]
-    commands += [line.strip() for line in (fixes[0].splitlines() if fixes else []) if line.startswith("  ")]
+    commands = Printed.of(stdout).commands
     found = [] if commands else [f"no repro or fix command printed:\n{stdout[-3000:]}"]
     for command in commands:
         words = shlex.split(command)
@@ -338,6 +384,21 @@ def unpasteable(stdout: str, args: tuple[str, ...], report: Path) -> list[str]:
         found += [f"{command} drops {option}" for option in args if " check " in command
                   and option.partition("=")[0] != "--sglang-args" and option.partition("=")[2] not in command]
     return found
+
+
+@pytest.mark.parametrize("case", NOT_SERVED, ids=lambda c: c.id)
+def test_the_terminal_is_the_verdict_without_noise(case, runs):
+    """No captured output or library logs, no warnings summary, none of the suite's own file paths or registry
+    ids, no tolerance formula: the verdict is the last thing printed, on two screens at most."""
+    result, _, _ = runs[case.id].result()
+    out = result.stdout
+    for noise in ("Captured", "DEBUG", "warnings summary", "short test summary", "conformance/user/test_",
+                  "allowed: atol", "per implementation pair and stage"):
+        assert noise not in out, f"{noise!r} in the terminal:\n{out}"
+    for known in REGISTRY_IDS:
+        assert known not in out, f"registry id {known!r} in the terminal:\n{out}"
+    assert out.rstrip().splitlines()[-1].startswith("  ") and verdict_block(out).count("\n") > 8, out[-3000:]
+    assert len(out.splitlines()) < 100, f"{len(out.splitlines())} lines:\n{out}"
 
 
 def test_an_unpasteable_command_is_caught(tmp_path):
@@ -497,3 +558,73 @@ def test_the_conversion_check_names_what_a_conversion_lost(converted, tmp_path):
     assert "tensor fc_norm.1.weight: missing from the conversion" in text, text
     assert "SGLang reads eagle_config ids [2, 4, 5]" in text and "must give it [1, 3, 4]" in text, text
     assert "fc_norm: SGLang builds False, training has True" in text, text
+
+
+# ---------------------------------------------------------------- the printed commands, run (last: a repro writes the
+# user's report directory again, as it does for the user)
+
+REGISTRY_IDS = [entry.id for entry in registry.REGISTRY]
+SHELL_PASTED = ("speculators_format", "seed_flags")   # a conversion and changed server flags: pasted into a shell
+
+
+@pytest.mark.parametrize("case", NOT_SERVED, ids=lambda c: c.id)
+def test_the_printed_commands_do_what_they_say(case, runs, preloaded, tmp_path):
+    """From a directory of its own: each `repro:` line fails again with its problem; the fixes exit 0 and the check
+    after them no longer names a problem they fix (a fix that is no command, such as retraining, prints none)."""
+    result, _, _ = runs[case.id].result()
+    printed = Printed.of(result.stdout)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert printed.repros, f"no repro line:\n{result.stdout[-6000:]}"
+    for failed, command in printed.repros:
+        again = preloaded.run(shlex.split(command), cwd=elsewhere)
+        assert again.returncode == EXIT_NOT_SERVED and failed in Printed.of(again.stdout).problems.values(), \
+            f"{command}\nexit {again.returncode}, expected {EXIT_NOT_SERVED} naming {failed!r}:\n{again.stdout[-6000:]}"
+    assert_fixes_fix(printed, lambda command: preloaded.run(shlex.split(command), cwd=elsewhere))
+
+
+def assert_fixes_fix(printed: Printed, run) -> None:
+    if not printed.fixes:
+        return
+    assert printed.fixed and set(printed.fixed) <= set(printed.problems), printed
+    *fixes, check = printed.fixes
+    assert " check " in check, check
+    # what the fixes write (the converter's copy beside the draft), removed after: each paste starts as the user's
+    written = [Path(w) for command in fixes for w in shlex.split(command) if w.endswith(CONVERTED)]
+    assert not any(path.exists() for path in written), written
+    try:
+        for command in fixes:
+            done = run(command)
+            assert done.returncode == 0, \
+                f"{command}\nexit {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        again = run(check)
+    finally:
+        for path in written:
+            shutil.rmtree(path, ignore_errors=True)
+    out = again.stdout + again.stderr
+    assert again.returncode in (EXIT_SERVED, NOT_CHECKED), f"{check}\nexit {again.returncode}:\n{out[-6000:]}"
+    left = set(Printed.of(again.stdout).problems.values())
+    assert not {printed.problems[n] for n in printed.fixed} & left, f"{check}: still {left}"
+
+
+@pytest.mark.parametrize("case", [c for c in NOT_SERVED if c.id in SHELL_PASTED], ids=lambda c: c.id)
+def test_the_printed_commands_work_in_a_real_shell(case, runs, tmp_path):
+    """The same commands as a user pastes them: a shell, a new interpreter, another directory."""
+    result, _, _ = runs[case.id].result()
+    printed = Printed.of(result.stdout)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+    def shell(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+
+    failed, command = printed.repros[0]
+    again = shell(command)
+    assert again.returncode == EXIT_NOT_SERVED and failed in Printed.of(again.stdout).problems.values(), \
+        f"{command}\nexit {again.returncode}:\n{again.stdout[-6000:]}{again.stderr[-3000:]}"
+    assert_fixes_fix(printed, shell)
+
+
+USING_RUNS = (test_the_verdict_names_the_problem, test_every_printed_command_is_pasteable,
+              test_the_terminal_is_the_verdict_without_noise, test_the_printed_commands_do_what_they_say,
+              test_the_printed_commands_work_in_a_real_shell)

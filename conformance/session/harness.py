@@ -162,10 +162,10 @@ def assert_conforms(drafts: DraftStore, report, impl: str, case: DraftCase, dtyp
     hit = check.match.hits[0] if check.match.hits else None
     if check.failure is not None:
         report.add_load_failure(impl, case.id, dtype_name, nodeid, "known divergence" if hit else "FAIL",
-                                str(check.failure))
+                                str(check.failure), hit.id if hit else "")
         settle(check.message, hit)
     outcome = "pass" if check.conforms else ("known divergence" if hit else "FAIL")
-    report.add(check.comparison, nodeid, outcome, hit.reason if hit else "")
+    report.add(check.comparison, nodeid, outcome, hit.reason if hit else "", hit.id if hit else "")
     if not check.conforms:
         settle(check.message, hit)
 

@@ -17,7 +17,9 @@ from conformance.adapters import ADAPTERS, versions
 from conformance.session import report_render
 from conformance.core.compare import Comparison
 from conformance.core.sections import ACCEPT_CHART_FILE, FAIL, KNOWN, Section
+from conformance.core.stages import stage_names
 from conformance.core.tolerances import dtype_name
+from fixtures.cases import DEFAULT_CASES
 
 CHART_FILE = report_render.CHART_FILE
 TIMINGS_FILE = "timings.json"
@@ -36,6 +38,7 @@ class Entry:
     impl: str
     dtype: str
     note: str = ""                    # known-divergence reason, or a load error
+    known: str = ""                   # the id of the registry entry that explains it ("": none)
 
 
 @dataclass
@@ -60,12 +63,13 @@ class Report:
     def add_timing(self, row: dict) -> None:
         self.timings.append(dict(row))
 
-    def add(self, comparison: Comparison, nodeid: str, outcome: str, note: str = "") -> None:
+    def add(self, comparison: Comparison, nodeid: str, outcome: str, note: str = "", known: str = "") -> None:
         self.entries.append(Entry(comparison, nodeid, outcome, comparison.case_id, comparison.impl,
-                                  dtype_name(comparison.dtype), note))
+                                  dtype_name(comparison.dtype), note, known))
 
-    def add_load_failure(self, impl: str, case_id: str, dtype: str, nodeid: str, outcome: str, error: str) -> None:
-        self.entries.append(Entry(None, nodeid, outcome, case_id, impl, dtype, error))
+    def add_load_failure(self, impl: str, case_id: str, dtype: str, nodeid: str, outcome: str, error: str,
+                         known: str = "") -> None:
+        self.entries.append(Entry(None, nodeid, outcome, case_id, impl, dtype, error, known))
 
     def parts(self) -> dict:
         """This process's findings as JSON data, for the process that writes the report (absorb)."""
@@ -90,7 +94,7 @@ class Report:
         comparisons = [_as_explained(c, verdict) for c in comparisons]
         return {"tool": "eagle3-conformance", "versions": v, **({"verdict": verdict} if verdict else {}),
                 "comparisons": comparisons, "support_matrix": support_matrix(comparisons, v, verdict),
-                "sections": sections}
+                "default_drafts": default_drafts(comparisons, v), "sections": sections}
 
     def to_markdown(self) -> str:
         return report_render.markdown(self.to_json())
@@ -115,7 +119,8 @@ def _plain(data):
 
 def _comparison(e: Entry) -> dict:
     item = {"case": e.case_id, "impl": e.impl, "against": "reference", "dtype": e.dtype, "nodeid": e.nodeid,
-            "outcome": e.outcome, "note": e.note, "first_divergence": None, "stages": [], "notes": []}
+            "outcome": e.outcome, "note": e.note, "known": e.known, "first_divergence": None, "stages": [],
+            "notes": []}
     if e.comparison is None:
         item["first_divergence"] = {"step": 0, "stage": "load", "verdict": "load failed"}
         return item
@@ -168,6 +173,50 @@ def support_matrix(comparisons: list[dict], v: dict[str, str], verdict: dict | N
         cells[case][impl] = ", ".join(problems) + ("" if found in ("safe", "not run") else f": {found}")
     columns = {impl: f"{impl} {v.get(ADAPTERS[impl].package if impl in ADAPTERS else None, '?')}" for impl in impls}
     return [{"case": case, **{columns[i]: row.get(i, "not run") for i in impls}} for case, row in cells.items()]
+
+
+def default_drafts(comparisons: list[dict], v: dict[str, str]) -> list[dict]:
+    """Each trainer's default draft (fixtures/cases.py DEFAULT_CASES), per server: served as trained when every
+    comparison of it passed (step 0 and K = DEFAULT_STEPS, every dtype and mode), else the earliest first divergence
+    over them and the registry entry that explains it (none: an unexpected failure); no rows when none of them ran."""
+    if not {c["case"] for c in comparisons} & {case.id for case in DEFAULT_CASES}:
+        return []
+    rows = []
+    for case in DEFAULT_CASES:
+        for impl, adapter in ADAPTERS.items():
+            if adapter.is_server:
+                served = [c for c in comparisons if c["case"] == case.id and c["impl"] == impl]
+                version = v.get(adapter.package, "not installed")
+                server = impl if version == "not installed" else f"{impl} {version}"
+                rows.append({"default draft": case.id, "trained by": case.default_of, "server": server,
+                             **_served(served, adapter)})
+    return rows
+
+
+def _served(comparisons: list[dict], adapter) -> dict:
+    """One server's verdict on one draft from its comparisons with the reference."""
+    if not comparisons:
+        why = adapter.missing()
+        return {"served": f"not run ({why})" if why else "not run", "first divergent stage": "", "registry entry": ""}
+    failed = [c for c in comparisons if c["outcome"] == FAIL]
+    parted = failed or [c for c in comparisons if c["outcome"] == KNOWN]
+    if not parted:
+        return {"served": "as trained", "first divergent stage": "", "registry entry": ""}
+    firsts = [c["first_divergence"] for c in parted if c["first_divergence"]]
+    first = min(firsts, key=_forward_order(firsts)) if firsts else None
+    where = ("none (no stage diverged)" if first is None else "load" if first["stage"] == "load"
+             else f"step {first['step']} `{first['stage']}`")
+    explained = sorted({c["known"] for c in parted if c["known"]})
+    return {"served": "UNEXPECTED FAILURE" if failed else "differently", "first divergent stage": where,
+            "registry entry": ", ".join(explained) or "none"}
+
+
+def _forward_order(firsts: list[dict]):
+    """A key ordering first divergences by where they depart: a refusal at load, then by step, then by stage in
+    forward order (the draft's stage names, from its deepest layer among them)."""
+    stages = [f["stage"] for f in firsts]
+    names = stage_names(1 + max((int(s.split(".")[1]) for s in stages if s.startswith("layers.")), default=0))
+    return lambda first: (-1, -1) if first["stage"] == "load" else (first["step"], names.index(first["stage"]))
 
 
 def problem_cells(comparisons: list[dict], verdict: dict | None, impls: list[str]) -> dict[tuple[str, str], list]:

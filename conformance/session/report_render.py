@@ -14,6 +14,7 @@ from conformance.core.sections import ACCEPT_CHART_FILE, ACCEPT_COLUMNS, ACCEPT_
 from conformance.core.stages import stage_kind, stage_names
 
 CHART_FILE = "stage_error.png"
+DEFAULT_DRAFTS_TITLE = "Each trainer's default draft: served as trained?"
 Summary = dict[tuple[str, str], dict[tuple[int, str], "StageRow"]]
 
 
@@ -105,6 +106,12 @@ def markdown(data: dict) -> str:
     if data["support_matrix"]:
         md += ["", "## Support matrix (from the tests that ran; worst outcome over dtypes and modes)", ""]
         md += _rows_table(data["support_matrix"])
+    if data.get("default_drafts"):
+        md += ["", f"## {DEFAULT_DRAFTS_TITLE}", "",
+               "The draft each trainer writes when no knob is set (fixtures/cases.py DEFAULT_CASES), per server: every "
+               "comparison of it with the reference (step 0 and multi-step, each dtype and mode) passed, or where it "
+               "first departs and the registry entry that explains it (docs/registry.md).", ""]
+        md += _rows_table(data["default_drafts"])
     if details := detail_lines(data):
         md += ["", "## Details", "", *details]
     md.append("")
@@ -232,8 +239,13 @@ def verdict_lines(v: dict) -> list[str]:
 
 
 def terminal_lines(data: dict) -> list[str]:
-    """The end-of-session summary: first divergences, then per pair and dtype the per-stage max errors."""
+    """The end-of-session summary: each server's verdict on each trainer's default draft, the first divergences,
+    then per pair and dtype the per-stage max errors."""
     lines = []
+    if data.get("default_drafts"):
+        lines.append("each trainer's default draft (draft | trained by | server | served | first divergent stage | "
+                     "registry entry):")
+        lines += ["  " + " | ".join(str(x) for x in row.values()).rstrip(" |") for row in data["default_drafts"]]
     first = first_divergences(data)
     if first:
         lines.append("first divergences (outcome | pair | case | dtype | stage | reason):")

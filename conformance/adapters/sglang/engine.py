@@ -24,6 +24,7 @@ from conformance.adapters.sglang import engine_shims
 from conformance.adapters.sglang.engine_shims import SHIMS  # noqa: F401  (the engine lane reports them)
 
 # Server arguments every engine of the lane gets (greedy fp32 on CPU; SGLang resolves the rest).
+NAME = "sglang"   # the report's server column (conformance/engine/reporting.py)
 BASE_ARGS = dict(
     speculative_algorithm="EAGLE3", device="cpu", attention_backend="triton", disable_cuda_graph=True,
     tp_size=1, skip_tokenizer_init=True, dtype="float32", max_total_tokens=4096, random_seed=0,

@@ -16,13 +16,14 @@ import contextlib
 import weakref
 from importlib import metadata
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import ClassVar, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from conformance.adapters.base import AdapterBase, Drafter, TimedPass, cached_prefix, chain_drafter
+from conformance.adapters.vllm import engine
 from conformance.adapters.vllm.process import DTYPE_NAMES, MISSING, Worker, venv, venv_python
 from conformance.core.trace import Trace
 from conformance.core import stages
@@ -56,6 +57,9 @@ class VLLMAdapter(AdapterBase):
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST)
     draft_group: ClassVar[int | None] = None
     serving_decode: ClassVar[bool] = True
+    # vLLM's real serving engine (LLM + speculative_config) in the vLLM engine environment (vLLM's CPU build): the
+    # vLLM engine lane, `make vllm-engine` (engine.py, engine_worker.py, engine_capture.py).
+    engine: ClassVar[ModuleType | None] = engine
     # Benchmark shapes whose pass does not compile on a CPU host (seen in every dtype and size of the sweep): its
     # attention there is the FLEX_ATTENTION shim (shims.py), which torch 2.14's Inductor compiles; its CPU
     # flex-attention template fails for these (not vLLM's maths: a CUDA server runs another backend).

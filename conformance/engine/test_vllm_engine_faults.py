@@ -1,0 +1,88 @@
+"""Meta: serving faults planted through vLLM's own code paths (a method of its proposer or model runner patched in the
+engine's worker: conformance/adapters/vllm/engine_capture.py FAULTS) must fail the vLLM engine lane, its first
+divergence at the named request, round, draft step and stage, while the same request served without the fault
+conforms. The output stays lossless (the target verifies every draft): only the rounds show where."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from conformance.adapters import ADAPTERS
+from conformance.core.sections import Section
+from conformance.engine.scenarios import Prompt, Scenario
+from conformance.engine.served_lane import GROUPS, ServedGroup
+
+ENGINE = ADAPTERS["vllm"].engine
+pytestmark = [pytest.mark.vllm_engine, pytest.mark.meta,
+              pytest.mark.skipif(ENGINE.missing() is not None, reason=ENGINE.MISSING)]
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(served_lanes):
+    return served_lanes(ENGINE)
+
+# One request the unfaulted lane serves too (chain_k3's batch scenario), as many new tokens.
+FAULT_PROMPT = Prompt(5, 5)
+
+
+@dataclass(frozen=True)
+class PlantedFault:
+    id: str                 # engine_capture.FAULTS
+    summary: str
+    round: int              # where the lane must first diverge
+    step: int
+    stage: str
+
+    @property
+    def group(self) -> ServedGroup:
+        return ServedGroup(f"fault_{self.id}", 3, (Scenario(self.id, f"planted fault {self.id}", ((FAULT_PROMPT,),)),),
+                           fault=self.id)
+
+
+FAULTS = (
+    PlantedFault("draft_positions_advanced", "EagleProposer._update_positions_dependent_metadata: each draft step's "
+                 "positions one further than the slot it writes (a position bug of the draft loop)", 0, 1, "positions"),
+    PlantedFault("aux_from_shallower_layers", "the runner's EAGLE-3 aux layers set one lower "
+                 "(set_aux_hidden_state_layers after _setup_eagle3_aux_hidden_state_outputs)", 0, 0, "aux_in"),
+    PlantedFault("sample_row_before_last", "EagleProposer.set_inputs_first_pass: step 0 samples (and hands step 1 "
+                 "the hidden state of) the row before the last accepted one", 0, 0, "logits"),
+)
+
+
+@pytest.fixture(scope="module")
+def unfaulted(vllm_engine):
+    group = next(g for g in GROUPS if g.id == "chain_k3")
+    run = vllm_engine.run(group)
+    assert not run.error, run.error
+    findings = vllm_engine.findings(run, run.scenarios["batch"])
+    return next(f for f in findings if f.request.prompt == FAULT_PROMPT)
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.id for f in FAULTS])
+def test_planted_serving_fault_fails_the_lane(fault, unfaulted, vllm_engine, report, repro):
+    assert unfaulted.divergence is None, f"without the fault the request already diverges:\n" \
+                                         f"{unfaulted.rounds_failure(repro)}"
+    run = vllm_engine.run(fault.group)
+    assert not run.error, run.error
+    failures = vllm_engine.failures(run, repro)
+    (finding,) = vllm_engine.findings(run, next(iter(run.scenarios.values())))
+    first = None if finding.divergence is None else finding.divergence.first_divergence
+    m = finding.request.served.meta.get("spec_decode") or {}
+    accepted = finding.reference_accepted
+    report.add_row(Section.ENGINE_FAULTS, {
+        "fault": f"vllm {fault.id}", "how": f"{fault.summary} ({run.planted})", "lane failures": len(failures),
+        "first divergence": "none" if first is None else
+        f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`",
+        "expected": f"round {fault.round}, step {fault.step} `{fault.stage}`",
+        "lossless": finding.lossless_failure() is None,
+        "accept length served/ref": f"{m.get('mean_acceptance_length', 0):.4g}/"
+                                    f"{1 + sum(accepted) / len(accepted):.4g}"})
+    assert failures, f"{fault.id}: the vLLM engine lane passed with the fault planted ({fault.summary})"
+    assert first is not None, f"{fault.id}: no round diverged; the lane failed only on: {failures}"
+    got = (finding.conforming_rounds, first.step, first.stage)
+    assert got == (fault.round, fault.step, fault.stage), (
+        f"{fault.id}: first divergence at round {got[0]}, step {got[1]} '{got[2]}', expected round {fault.round}, "
+        f"step {fault.step} '{fault.stage}'\n{finding.divergence.message(repro)}")
+    message = finding.rounds_failure(repro)
+    assert f"round {fault.round}" in message and f"stage '{fault.stage}'" in message, message
