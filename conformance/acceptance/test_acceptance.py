@@ -20,6 +20,7 @@ from conformance.acceptance.exact import (draft_mismatches, drafts_message, row_
                                           same_rows_accept_length)
 from conformance.acceptance.faults import FAULT_REQUESTS, FAULTS
 from conformance.acceptance.stagewise import first_divergence
+from conformance.acceptance.trained_draft import TRAINERS
 from conformance.adapters import IMPLEMENTATIONS, REFERENCE
 from conformance.core.sections import Section
 from conformance.core.tolerances import ACCEPT_LENGTH_Z, accept_length_tolerance
@@ -38,34 +39,37 @@ def _row_bound(p: float, rounds: int) -> float:
 
 
 @pytest.mark.cpu
-def test_trained_draft_has_learned(acceptance, report):
-    """The fixture's preconditions: acceptance far from zero; the held-out tokens are the target's argmax
-    under the full forward the simulation verifies with; and every token the target emits there is in
-    the draft vocabulary (so speculators' draft-vocab teacher, eagle3-semantics §4.1, scores exactly
-    what full-vocabulary verification accepts)."""
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_trained_draft_has_learned(trainer, acceptance_of, report):
+    """The fixture's preconditions, for the draft each trainer's own training path trained: acceptance far
+    from zero; the held-out tokens are the target's argmax under the full forward the simulation verifies
+    with; and every token the target emits there is in the draft vocabulary (so the trainer's draft-vocab
+    teacher, eagle3-semantics §4.1, scores exactly what full-vocabulary verification accepts)."""
+    acceptance = acceptance_of(trainer)
     trained, prediction = acceptance.trained, acceptance.prediction
     summary = trained.summary
     report.add_row(Section.TRAINED_DRAFT, {
-        "recipe": summary["key"], "target": f"fixtures.targets {trained.recipe.target_id}, layer outputs x "
+        "trainer": trainer, "recipe": summary["key"],
+        "target": f"fixtures.targets {trained.recipe.target_id}, layer outputs x "
         f"{trained.recipe.layer_output_scale}", "draft": f"{trained.config.num_hidden_layers} layer, hidden "
         f"{trained.config.hidden_size}, draft vocab {trained.config.draft_vocab_size} of {trained.config.vocab_size}",
         "aux layers": str(tuple(summary["aux_layer_ids"])), "ttt steps": trained.trained_steps,
         "optimizer steps": trained.recipe.optimizer_steps, "held-out starts": prediction.starts,
         "held-out full_acc": str([round(f, 3) for f in prediction.full_acc]),
         "emitted tokens outside the draft vocab": summary["heldout_tokens_outside_draft_vocab"]})
-    print(f"trained draft {summary['key']}: built in {summary['cpu_seconds']} CPU s; held-out full_acc "
+    print(f"{trainer}-trained draft {summary['key']}: built in {summary['cpu_seconds']} CPU s; held-out full_acc "
           f"{[round(f, 3) for f in prediction.full_acc]}, cond_acc {[round(c, 3) for c in prediction.cond_acc]}")
     assert prediction.full_acc[0] > LEARNED, (
-        f"trained draft [{CASE}]: held-out full_acc_0 {prediction.full_acc[0]:.3f} <= {LEARNED}: it learned too "
-        f"little for the bridge; recipe {summary['key']}")
+        f"{trainer}-trained draft [{CASE}]: held-out full_acc_0 {prediction.full_acc[0]:.3f} <= {LEARNED}: it "
+        f"learned too little for the bridge; recipe {summary['key']}")
     argmax, _, _ = acceptance.target.run(trained.heldout_ids, trained.config.aux_layer_ids)
     flipped = int((argmax[:, 1:-1] != trained.heldout_ids[:, 2:]).sum())
-    assert flipped == 0, (f"trained draft [{CASE}]: {flipped} held-out tokens are not the target's argmax under a "
-                          f"full forward (KV-cached generation broke a near-tie): teacher forcing is not the chain "
+    assert flipped == 0, (f"{trainer}-trained draft [{CASE}]: {flipped} held-out tokens are not the target's argmax "
+                          f"under a full forward (KV-cached generation broke a near-tie): teacher forcing is not the chain "
                           f"there")
     assert summary["heldout_tokens_outside_draft_vocab"] == 0, (
-        f"trained draft [{CASE}]: {summary['heldout_tokens_outside_draft_vocab']} held-out tokens outside the "
-        f"draft vocabulary: speculators' metrics would be optimistic")
+        f"{trainer}-trained draft [{CASE}]: {summary['heldout_tokens_outside_draft_vocab']} held-out tokens outside "
+        f"the draft vocabulary: {trainer}' metrics would be optimistic")
 
 
 def _first(sim: Simulation, n: int) -> Simulation:
@@ -81,10 +85,14 @@ def _per_position_rows(report, impl: str, prediction, stats: AcceptStats) -> Non
 
 
 @pytest.mark.cpu
-def test_reference_accepts_what_training_scored(acceptance, report, repro):
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_reference_accepts_what_training_scored(trainer, acceptance_of, report, repro):
     """Row by row: the reference's verify round at start row t accepts exactly the leading drafts that
-    speculators' metrics scored right at t (up to the steps scored there). Then the drawn rounds
-    against all held-out rows (1 + sum full_acc): the one sampled comparison, within z * s / sqrt(R)."""
+    the trainer's own metrics scored right at t (up to the steps scored there), on the draft that trainer
+    trained. Then the drawn rounds against all held-out rows (1 + sum full_acc, which is the trainer's own
+    logged accept length where it logs one: NeMo's train_tau_sim): the one sampled comparison, within
+    z * s / sqrt(R)."""
+    acceptance = acceptance_of(trainer)
     prediction, ref, requests = acceptance.prediction, acceptance.simulated(REFERENCE), acceptance.requests
     stats, R = ref.stats, len(requests)
     rows = row_mismatches(prediction, ref, requests)
@@ -95,7 +103,7 @@ def test_reference_accepts_what_training_scored(acceptance, report, repro):
         tol = accept_length_tolerance(stats.std(K), stats.rounds)
         in_bound = abs(simulated - predicted) <= tol
         report.add_row(Section.ACCEPT_PREDICTED, {
-            "implementation": REFERENCE, "K": K, "simulated": simulated,
+            "implementation": REFERENCE, "trainer": trainer, "K": K, "simulated": simulated,
             "rows scored to K": compared, "training there": trained, "simulated there": simulated_same,
             "rows equal": f"{R - len(rows)}/{R}",
             "predicted, all rows (1 + sum full_acc)": predicted, "simulated - predicted": simulated - predicted,
@@ -105,11 +113,16 @@ def test_reference_accepts_what_training_scored(acceptance, report, repro):
                            f"{abs(simulated - predicted):.4f} > {tol:.4f} ({ACCEPT_LENGTH_Z:g} * s {stats.std(K):.3f}"
                            f" / sqrt({stats.rounds}))")
     _per_position_rows(report, REFERENCE, prediction, stats)
+    logged = prediction.logged_accept_length
+    if logged is not None:   # the trainer's own figure is its prediction at the K it trained
+        assert logged == pytest.approx(prediction.accept_length(len(prediction.full_acc)), abs=1e-6), (
+            f"{trainer} [{CASE}]: its logged accept length {logged} is not 1 + sum full_acc "
+            f"{prediction.accept_length(len(prediction.full_acc))} of the same counts")
     if rows:
         trained = acceptance.trained
         pytest.fail(rows_message(rows, R, trained, acceptance.target, ref, CASE, repro), pytrace=False)
-    assert not sampled, (f"reference [{CASE}, fp32]: the {R} drawn rounds do not represent the held-out rows "
-                         f"(every drawn row matched training exactly)\n  " + "\n  ".join(sampled)
+    assert not sampled, (f"reference [{CASE}, {trainer}-trained, fp32]: the {R} drawn rounds do not represent the "
+                         f"held-out rows (every drawn row matched training exactly)\n  " + "\n  ".join(sampled)
                          + f"\n  repro: {repro}")
 
 

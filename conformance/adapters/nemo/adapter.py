@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from types import ModuleType
 from typing import ClassVar
 
 import torch
 
 from conformance.adapters.base import AdapterBase, Drafter, TimedPass, batch_on
+from conformance.adapters.nemo import training
 from conformance.adapters.nemo.checkpoint import load_with_nemo, quiet
 from conformance.adapters.nemo.recorder import Recorder
 from conformance.adapters.speculators.adapter import teacher_forced_drafter
@@ -48,6 +50,7 @@ class NemoAdapter(AdapterBase):
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST) - NOT_OBSERVABLE
     draft_group: ClassVar[int | None] = 8   # its eager attention is dense over the whole packed row
     serving_decode: ClassVar[bool] = False
+    training: ClassVar[ModuleType | None] = training   # its own training path: trains a draft for the acceptance bridge
     # Checkpointer.load_model reads the draft's own keys through DCP (torch/distributed/checkpoint/
     # default_planner.py create_default_local_load_plan): a missing one raises, an extra one is never read.
     silent_drop: ClassVar[str | None] = ("Checkpointer.load_model reads only the draft's own keys through torch DCP "
