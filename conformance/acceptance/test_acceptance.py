@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from conformance.acceptance.acceptance import (K_MAX, Simulation, generate, make_drafter, oracle_drafter, simulate,
-                                               speculators_prediction)
+                                               speculators_prediction, training_prediction)
 from conformance.acceptance.exact import (draft_mismatches, drafts_message, row_mismatches, rows_message,
                                           same_rows_accept_length)
 from conformance.acceptance.faults import FAULT_REQUESTS, FAULTS
 from conformance.acceptance.stagewise import first_divergence
 from conformance.acceptance.trained_draft import TRAINERS
-from conformance.adapters import IMPLEMENTATIONS, REFERENCE
+from conformance.adapters import ADAPTERS, DEFAULT_TRAINER, IMPLEMENTATIONS, REFERENCE
 from conformance.core.sections import Section
 from conformance.core.tolerances import ACCEPT_LENGTH_Z, accept_length_tolerance
 from reference.speculative import AcceptStats
@@ -300,6 +300,35 @@ def test_prediction_and_drafting_are_checked_apart(acceptance, monkeypatch):
                     drafts_message("speculators", drafts, len(requests), trained, target, trained.checkpoints,
                                    tuple(trained.config.aux_layer_ids), reference, CASE, "-")):
         assert re.search(r"first divergen(ce at step 0, stage|t stage: step 0) 'recurrent_hidden'", message), message
+
+
+@pytest.mark.cpu
+@pytest.mark.meta
+@pytest.mark.parametrize("trainer", [t for t in TRAINERS if t != DEFAULT_TRAINER])
+def test_row_check_fails_on_a_planted_trainer_forward(trainer, acceptance_of, monkeypatch):
+    """The row check on another trainer's draft can fail: its training forward planted (the hidden fed to the
+    next step normed, norm_output flipped on the loaded model) scores other rows than the reference's rounds
+    accept, and the failure names the first divergent stage of the trainer's forward on that round. (The
+    default trainer's: test_prediction_and_drafting_are_checked_apart.)"""
+    acceptance = acceptance_of(trainer)
+    trained, target = acceptance.trained, acceptance.target
+    reference = _first(acceptance.simulated(REFERENCE), SHARED_REQUESTS)
+    adapter = ADAPTERS[trainer]
+    real_load = adapter.load
+
+    def load(self, *args, **kwargs):
+        loaded = real_load(self, *args, **kwargs)
+        loaded.model.config.norm_output = not loaded.model.config.norm_output
+        return loaded
+
+    monkeypatch.setattr(adapter, "load", load)
+    prediction = training_prediction(trained, target=target)
+    requests = acceptance.requests[:SHARED_REQUESTS]
+    rows = row_mismatches(prediction, reference, requests)
+    assert rows, f"{trainer} with norm_output flipped [{CASE}]: its scores equal the reference's rounds at every row"
+    message = rows_message(rows, len(requests), trained, target, reference, CASE, "-")
+    assert re.search(rf"reference vs {trainer}' training metrics .*first divergence at step \d+, stage '", message,
+                     re.S), message
 
 
 @pytest.mark.cpu
