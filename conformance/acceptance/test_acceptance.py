@@ -65,8 +65,8 @@ def test_trained_draft_has_learned(trainer, acceptance_of, report):
     argmax, _, _ = acceptance.target.run(trained.heldout_ids, trained.config.aux_layer_ids)
     flipped = int((argmax[:, 1:-1] != trained.heldout_ids[:, 2:]).sum())
     assert flipped == 0, (f"{trainer}-trained draft [{CASE}]: {flipped} held-out tokens are not the target's argmax "
-                          f"under a full forward (KV-cached generation broke a near-tie): teacher forcing is not the chain "
-                          f"there")
+                          f"under a full forward (KV-cached generation broke a near-tie): teacher forcing is not the "
+                          f"chain there")
     assert summary["heldout_tokens_outside_draft_vocab"] == 0, (
         f"{trainer}-trained draft [{CASE}]: {summary['heldout_tokens_outside_draft_vocab']} held-out tokens outside "
         f"the draft vocabulary: {trainer}' metrics would be optimistic")
