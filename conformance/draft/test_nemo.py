@@ -13,7 +13,7 @@ from conformance.checkpoints.formats import nemo
 from fixtures.cases import ALL_CASES
 from fixtures.tiny import make_draft_weights
 
-pytestmark = [pytest.mark.cpu]
+pytestmark = [pytest.mark.cpu, pytest.mark.meta]   # the format and the adapter checked: harness self-tests
 EXPRESSIBLE = [c for c in ALL_CASES if not nemo.inexpressible(c.config)]
 
 
