@@ -34,11 +34,11 @@ class AcceptRow:
     K: int
     scenarios: tuple[str, ...]
     requests: int
-    predicted: float               # speculators' full_acc over every held-out start row
+    predicted: float               # the trainer's full_acc over every held-out start row
     measured: Fraction             # SGLang: sum completion tokens / sum verify count
     simulated: Fraction            # the reference's rounds on the same requests, same quotient
     per_round: Fraction            # SGLang: 1 + sum accepted drafts (its histogram) / sum verify count
-    trained_rows: Fraction | None  # speculators' per-row scores at the engine's rounds (None: a round off them)
+    trained_rows: Fraction | None  # the trainer's per-row scores at the engine's rounds (None: a round off them)
     start_rows: tuple[int, int]    # first and last start row of the engine's rounds
     rounds: int
     unequal_requests: tuple[str, ...]   # findings.acceptance_failure, per request (the lane's own check)
