@@ -29,7 +29,7 @@ REQUESTS_PER_SEQUENCE = 8   # verify rounds drawn per held-out sequence (64 sequ
 CHUNK = 16                  # requests per drafter call
 REQUEST_SEED = 11
 
-# ---------------------------------------------------------------- predicted: speculators' metrics
+# ---------------------------------------------------------------- predicted: the trainer's own metrics
 
 @dataclass(frozen=True)
 class Prediction:
@@ -64,9 +64,6 @@ def training_prediction(trained: TrainedDraft, steps: int = K_MAX, target: Greed
     scores = trainer.training.heldout_scores(trainer, trained, target or trained.target(), steps)
     return Prediction(scores["full_acc"], scores["cond_acc"], scores["starts"], scores["correct"],
                       scores.get("tau_sim"))
-
-
-speculators_prediction = training_prediction   # the name the default trainer's tests use
 
 
 # ---------------------------------------------------------------- simulated: one verify round per request

@@ -1,8 +1,9 @@
-"""Training accuracy vs accept length for a tiny draft trained with speculators' own training code.
+"""Training accuracy vs accept length for a tiny draft trained with speculators' own training code, and the
+same recipe trained by every other trainer's own training path (trained_draft.TRAINERS: NeMo Automodel's).
 
 Exact in fp32 (conformance/acceptance/exact.py): each implementation drafts the reference's tokens in
 every verify round and at every draft position, and the reference accepts at every start row exactly
-what speculators' training metrics scored there. Only the drawn rounds against all held-out rows
+what the trainer's training metrics scored there (on each trainer's own draft). Only the drawn rounds against all held-out rows
 (1 + sum_k full_acc_k) keep conformance/core/tolerances.py's sampling bound. Planted wiring faults
 must move the accept length by more than that bound and be named at their stage.
 """
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from conformance.acceptance.acceptance import (K_MAX, Simulation, generate, make_drafter, oracle_drafter, simulate,
-                                               speculators_prediction, training_prediction)
+                                               training_prediction)
 from conformance.acceptance.exact import (draft_mismatches, drafts_message, row_mismatches, rows_message,
                                           same_rows_accept_length)
 from conformance.acceptance.faults import FAULT_REQUESTS, FAULTS
@@ -283,7 +284,7 @@ def test_prediction_and_drafting_are_checked_apart(acceptance, monkeypatch):
     monkeypatch.setattr(SpeculatorsAdapter, "load", load)
     with monkeypatch.context() as m:
         m.setattr(LoadedSpeculators, "drafter", never)          # the prediction never drafts
-        prediction = speculators_prediction(trained)
+        prediction = training_prediction(trained)
     requests = acceptance.requests[:SHARED_REQUESTS]
     with monkeypatch.context() as m:
         m.setattr(core, "compute_metrics", never)               # the simulation never scores
