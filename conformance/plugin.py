@@ -313,6 +313,24 @@ def acceptance(trained_draft, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def acceptance_of(acceptance, tmp_path_factory):
+    """trainer -> the AcceptanceStore of the tiny draft that trainer's own training path trained (the same
+    recipe, target and data; conformance/acceptance/trained_draft.py TRAINERS); the default trainer's is
+    `acceptance`. Each built once (and cached on disk) when first asked for."""
+    from conformance.acceptance.acceptance import AcceptanceStore
+    from conformance.acceptance.trained_draft import recipe_for, trained_draft
+
+    stores = {acceptance.trained.trainer: acceptance}
+
+    def of(trainer: str):
+        if trainer not in stores:
+            stores[trainer] = AcceptanceStore(trained_draft(recipe_for(trainer)),
+                                              tmp_path_factory.mktemp(f"acceptance-{trainer}"))
+        return stores[trainer]
+    return of
+
+
+@pytest.fixture(scope="session")
 def sglang_args(request) -> str:
     """--sglang-args, or the chain settings the trained draft conforms to."""
     from conformance.adapters import ADAPTERS, DEFAULT_SERVER

@@ -17,7 +17,7 @@ import torch
 
 from conformance.acceptance.faults import FAULT_REQUESTS, Fault, plant, served_aux_ids
 from conformance.acceptance.stagewise import first_divergence, right_padded, round_rows
-from conformance.adapters import ADAPTERS, DEFAULT_TRAINER
+from conformance.adapters import ADAPTERS
 from conformance.adapters.base import Drafter
 from conformance.core.compare import Comparison
 from conformance.acceptance.trained_draft import GreedyTarget, TrainedDraft, one_thread
@@ -28,9 +28,8 @@ K_MAX = 5                   # draft steps simulated (every K <= K_MAX comes from
 REQUESTS_PER_SEQUENCE = 8   # verify rounds drawn per held-out sequence (64 sequences: 512 rounds)
 CHUNK = 16                  # requests per drafter call
 REQUEST_SEED = 11
-PREDICTOR = DEFAULT_TRAINER   # the implementation whose training metrics make the prediction (its `training`)
 
-# ---------------------------------------------------------------- predicted: speculators' metrics
+# ---------------------------------------------------------------- predicted: the trainer's own metrics
 
 @dataclass(frozen=True)
 class Prediction:
@@ -40,6 +39,9 @@ class Prediction:
     # [sequences, rows, steps]: drafts 0..k all correct at start row t, as compute_accuracy_single_step
     # scored it (False where t + k is past the sequence: not scored)
     correct: torch.Tensor
+    # The trainer's own logged accept-length estimate over these rows, where it logs one (NeMo's train_tau_sim:
+    # 1 + sum_k prefix hits / valid, core.py:200-222); None where it does not (speculators).
+    logged_accept_length: float | None = None
 
     def accept_length(self, K: int) -> float:
         return predicted_accept_length(self.full_acc, K)
@@ -54,33 +56,14 @@ class Prediction:
 
 
 @one_thread()
-def speculators_prediction(trained: TrainedDraft, steps: int = K_MAX) -> Prediction:
-    """speculators' training forward with its loss and metrics on every held-out sequence, one
-    sequence per forward (conformance/adapters/speculators/training.py heldout_metrics), and what its
-    metrics scored at each start row (scored_starts)."""
-    cfg = trained.config
-    _, aux, last = trained.target().run(trained.heldout_ids, cfg.aux_layer_ids)
-    predictor = ADAPTERS[PREDICTOR]
-    training = predictor.training
-    items = training.speculators_items(trained.heldout_ids, aux, last)
-    with training.scored_starts() as seen:
-        totals = training.heldout_metrics(predictor(), trained.checkpoints[predictor.checkpoint_format],
-                                          trained.target_dir, items, cfg.hidden_size, cfg.num_aux_hidden_states,
-                                          steps, trained.recipe.loss)
-    full = [totals[f"full_acc_{k}_sum"] / totals[f"full_acc_{k}_total"] for k in range(steps)]
-    cond = [totals[f"cond_acc_{k}_sum"] / totals[f"cond_acc_{k}_total"] for k in range(steps)]
-    S, rows = trained.heldout_ids.shape[0], trained.heldout_ids.shape[1] - 1   # shift_batch: T - 1 pairs
-    if len(seen) != S * steps:
-        raise RuntimeError(f"speculators scored {len(seen)} (sequence, step) pairs, expected {S} x {steps}")
-    correct = torch.zeros(S, rows, steps, dtype=torch.bool)
-    for i, mask in enumerate(seen):
-        correct[i // steps, :mask.numel(), i % steps] = mask
-    # The observation must add up to what the metrics reported, step by step.
-    observed = [int(correct[:, :, k].sum()) for k in range(steps)]
-    reported = [round(totals[f"full_acc_{k}_sum"]) for k in range(steps)]
-    if observed != reported:
-        raise RuntimeError(f"per-row scores {observed} do not add up to speculators' full_acc sums {reported}")
-    return Prediction(full, cond, int(totals["full_acc_0_total"]), correct)
+def training_prediction(trained: TrainedDraft, steps: int = K_MAX, target: GreedyTarget | None = None) -> Prediction:
+    """The trainer's own training forward with its loss and metrics on every held-out sequence, and what its
+    metrics scored at each start row: its adapter's `training.heldout_scores` (speculators: one sequence per
+    forward, its compute_metrics; NeMo: its Eagle3TrainerModule's prefix counts)."""
+    trainer = ADAPTERS[trained.trainer]
+    scores = trainer.training.heldout_scores(trainer, trained, target or trained.target(), steps)
+    return Prediction(scores["full_acc"], scores["cond_acc"], scores["starts"], scores["correct"],
+                      scores.get("tau_sim"))
 
 
 # ---------------------------------------------------------------- simulated: one verify round per request
@@ -231,7 +214,7 @@ class AcceptanceStore:
     @property
     def prediction(self) -> Prediction:
         if self._prediction is None:
-            self._prediction = speculators_prediction(self.trained)
+            self._prediction = training_prediction(self.trained, target=self.target)
         return self._prediction
 
     def simulated(self, impl: str) -> Simulation:

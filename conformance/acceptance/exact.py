@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from conformance.acceptance.acceptance import PREDICTOR, Prediction, Request, Simulation
+from conformance.acceptance.acceptance import Prediction, Request, Simulation
 from conformance.acceptance.stagewise import round_divergence
 from conformance.acceptance.trained_draft import GreedyTarget, TrainedDraft
 
@@ -92,13 +92,14 @@ def rows_message(mismatches: list[RowMismatch], rounds: int, trained: TrainedDra
     m = mismatches[0]
     r = m.request
     step = min(m.trained, m.simulated)   # the first step one side counts right and the other wrong
-    comparison = round_divergence(trained, target, PREDICTOR, trained.checkpoints, tuple(trained.config.aux_layer_ids),
+    predictor = trained.trainer   # whose training metrics made the prediction
+    comparison = round_divergence(trained, target, predictor, trained.checkpoints, tuple(trained.config.aux_layer_ids),
                                   trained.heldout_ids[r.seq, :r.prompt_len], reference.drafts[m.round], step, case_id)
-    return (f"reference vs {PREDICTOR}' training metrics [{case_id}, fp32]: {len(mismatches)}/{rounds} rounds accept "
+    return (f"reference vs {predictor}' training metrics [{case_id}, fp32]: {len(mismatches)}/{rounds} rounds accept "
             f"other than training scored at their start row\n  first: round {m.round}, held-out sequence {r.seq}, "
             f"start row {r.row}: training scored {m.trained} leading drafts right (of {m.scored} steps scored), the "
             f"reference's round accepted {m.simulated}; from draft position {step + 1} (step {step})\n"
-            f"  {PREDICTOR}' forward on this round: " + comparison.message(repro))
+            f"  {predictor}' forward on this round: " + comparison.message(repro))
 
 
 def same_rows_accept_length(prediction: Prediction, simulation: Simulation, requests: list[Request],

@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from conformance.adapters import DEFAULT_SERVER, DEFAULT_TRAINER
-from conformance.checkpoints import WEIGHTS_FILE
 from conformance.acceptance.trained_draft import TrainedDraft
+from fixtures.checkpoint import edited_copy
 
 
 def _fc_passes_first_chunk(w: dict) -> None:
@@ -69,15 +68,16 @@ FAULT_REQUESTS = 128   # verify rounds per fault (the first ones of the correct 
 
 
 def plant(fault: Fault, trained: TrainedDraft, root: Path) -> dict[str, Path]:
-    """Copies of both checkpoint directories with the fault applied; the trained draft is untouched."""
+    """Copies of every checkpoint directory with the fault applied; the trained draft is untouched. The fault
+    edits the tensors under their canonical names, stored back under each format's own names and files
+    (SpecForge's midlayer.*, NeMo's model.* in its shard + index: fixtures.checkpoint.edited_copy)."""
     out = {}
     for fmt, src in trained.checkpoints.items():
         dst = root / fault.id / fmt
-        shutil.copytree(src, dst)
         if fault.weights:
-            weights = load_file(str(dst / WEIGHTS_FILE))
-            fault.weights(weights)
-            save_file(weights, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
+            edited_copy(src, dst, fault.weights)
+        else:
+            shutil.copytree(src, dst)
         if fault.config and fmt == "speculators":
             raw = json.loads((dst / "config.json").read_text())
             fault.config(raw)

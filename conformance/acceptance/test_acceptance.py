@@ -1,9 +1,10 @@
-"""Training accuracy vs accept length for a tiny draft trained with speculators' own training code.
+"""Training accuracy vs accept length for a tiny draft trained with speculators' own training code, and the
+same recipe trained by every other trainer's own training path (trained_draft.TRAINERS: NeMo Automodel's).
 
 Exact in fp32 (conformance/acceptance/exact.py): each implementation drafts the reference's tokens in
 every verify round and at every draft position, and the reference accepts at every start row exactly
-what speculators' training metrics scored there. Only the drawn rounds against all held-out rows
-(1 + sum_k full_acc_k) keep conformance/core/tolerances.py's sampling bound. Planted wiring faults
+what the trainer's training metrics scored there (on each trainer's own draft). Only the drawn rounds
+against all held-out rows (1 + sum_k full_acc_k) keep conformance/core/tolerances.py's sampling bound. Planted wiring faults
 must move the accept length by more than that bound and be named at their stage.
 """
 from __future__ import annotations
@@ -15,12 +16,13 @@ import pytest
 import torch
 
 from conformance.acceptance.acceptance import (K_MAX, Simulation, generate, make_drafter, oracle_drafter, simulate,
-                                               speculators_prediction)
+                                               training_prediction)
 from conformance.acceptance.exact import (draft_mismatches, drafts_message, row_mismatches, rows_message,
                                           same_rows_accept_length)
 from conformance.acceptance.faults import FAULT_REQUESTS, FAULTS
 from conformance.acceptance.stagewise import first_divergence
-from conformance.adapters import IMPLEMENTATIONS, REFERENCE
+from conformance.acceptance.trained_draft import TRAINERS
+from conformance.adapters import ADAPTERS, DEFAULT_TRAINER, IMPLEMENTATIONS, REFERENCE
 from conformance.core.sections import Section
 from conformance.core.tolerances import ACCEPT_LENGTH_Z, accept_length_tolerance
 from reference.speculative import AcceptStats
@@ -38,34 +40,37 @@ def _row_bound(p: float, rounds: int) -> float:
 
 
 @pytest.mark.cpu
-def test_trained_draft_has_learned(acceptance, report):
-    """The fixture's preconditions: acceptance far from zero; the held-out tokens are the target's argmax
-    under the full forward the simulation verifies with; and every token the target emits there is in
-    the draft vocabulary (so speculators' draft-vocab teacher, eagle3-semantics §4.1, scores exactly
-    what full-vocabulary verification accepts)."""
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_trained_draft_has_learned(trainer, acceptance_of, report):
+    """The fixture's preconditions, for the draft each trainer's own training path trained: acceptance far
+    from zero; the held-out tokens are the target's argmax under the full forward the simulation verifies
+    with; and every token the target emits there is in the draft vocabulary (so the trainer's draft-vocab
+    teacher, eagle3-semantics §4.1, scores exactly what full-vocabulary verification accepts)."""
+    acceptance = acceptance_of(trainer)
     trained, prediction = acceptance.trained, acceptance.prediction
     summary = trained.summary
     report.add_row(Section.TRAINED_DRAFT, {
-        "recipe": summary["key"], "target": f"fixtures.targets {trained.recipe.target_id}, layer outputs x "
+        "trainer": trainer, "recipe": summary["key"],
+        "target": f"fixtures.targets {trained.recipe.target_id}, layer outputs x "
         f"{trained.recipe.layer_output_scale}", "draft": f"{trained.config.num_hidden_layers} layer, hidden "
         f"{trained.config.hidden_size}, draft vocab {trained.config.draft_vocab_size} of {trained.config.vocab_size}",
         "aux layers": str(tuple(summary["aux_layer_ids"])), "ttt steps": trained.trained_steps,
         "optimizer steps": trained.recipe.optimizer_steps, "held-out starts": prediction.starts,
         "held-out full_acc": str([round(f, 3) for f in prediction.full_acc]),
         "emitted tokens outside the draft vocab": summary["heldout_tokens_outside_draft_vocab"]})
-    print(f"trained draft {summary['key']}: built in {summary['cpu_seconds']} CPU s; held-out full_acc "
+    print(f"{trainer}-trained draft {summary['key']}: built in {summary['cpu_seconds']} CPU s; held-out full_acc "
           f"{[round(f, 3) for f in prediction.full_acc]}, cond_acc {[round(c, 3) for c in prediction.cond_acc]}")
     assert prediction.full_acc[0] > LEARNED, (
-        f"trained draft [{CASE}]: held-out full_acc_0 {prediction.full_acc[0]:.3f} <= {LEARNED}: it learned too "
-        f"little for the bridge; recipe {summary['key']}")
+        f"{trainer}-trained draft [{CASE}]: held-out full_acc_0 {prediction.full_acc[0]:.3f} <= {LEARNED}: it "
+        f"learned too little for the bridge; recipe {summary['key']}")
     argmax, _, _ = acceptance.target.run(trained.heldout_ids, trained.config.aux_layer_ids)
     flipped = int((argmax[:, 1:-1] != trained.heldout_ids[:, 2:]).sum())
-    assert flipped == 0, (f"trained draft [{CASE}]: {flipped} held-out tokens are not the target's argmax under a "
-                          f"full forward (KV-cached generation broke a near-tie): teacher forcing is not the chain "
-                          f"there")
+    assert flipped == 0, (f"{trainer}-trained draft [{CASE}]: {flipped} held-out tokens are not the target's argmax "
+                          f"under a full forward (KV-cached generation broke a near-tie): teacher forcing is not the "
+                          f"chain there")
     assert summary["heldout_tokens_outside_draft_vocab"] == 0, (
-        f"trained draft [{CASE}]: {summary['heldout_tokens_outside_draft_vocab']} held-out tokens outside the "
-        f"draft vocabulary: speculators' metrics would be optimistic")
+        f"{trainer}-trained draft [{CASE}]: {summary['heldout_tokens_outside_draft_vocab']} held-out tokens outside "
+        f"the draft vocabulary: {trainer}' metrics would be optimistic")
 
 
 def _first(sim: Simulation, n: int) -> Simulation:
@@ -81,10 +86,14 @@ def _per_position_rows(report, impl: str, prediction, stats: AcceptStats) -> Non
 
 
 @pytest.mark.cpu
-def test_reference_accepts_what_training_scored(acceptance, report, repro):
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_reference_accepts_what_training_scored(trainer, acceptance_of, report, repro):
     """Row by row: the reference's verify round at start row t accepts exactly the leading drafts that
-    speculators' metrics scored right at t (up to the steps scored there). Then the drawn rounds
-    against all held-out rows (1 + sum full_acc): the one sampled comparison, within z * s / sqrt(R)."""
+    the trainer's own metrics scored right at t (up to the steps scored there), on the draft that trainer
+    trained. Then the drawn rounds against all held-out rows (1 + sum full_acc, which is the trainer's own
+    logged accept length where it logs one: NeMo's train_tau_sim): the one sampled comparison, within
+    z * s / sqrt(R)."""
+    acceptance = acceptance_of(trainer)
     prediction, ref, requests = acceptance.prediction, acceptance.simulated(REFERENCE), acceptance.requests
     stats, R = ref.stats, len(requests)
     rows = row_mismatches(prediction, ref, requests)
@@ -95,7 +104,7 @@ def test_reference_accepts_what_training_scored(acceptance, report, repro):
         tol = accept_length_tolerance(stats.std(K), stats.rounds)
         in_bound = abs(simulated - predicted) <= tol
         report.add_row(Section.ACCEPT_PREDICTED, {
-            "implementation": REFERENCE, "K": K, "simulated": simulated,
+            "implementation": REFERENCE, "trainer": trainer, "K": K, "simulated": simulated,
             "rows scored to K": compared, "training there": trained, "simulated there": simulated_same,
             "rows equal": f"{R - len(rows)}/{R}",
             "predicted, all rows (1 + sum full_acc)": predicted, "simulated - predicted": simulated - predicted,
@@ -105,11 +114,16 @@ def test_reference_accepts_what_training_scored(acceptance, report, repro):
                            f"{abs(simulated - predicted):.4f} > {tol:.4f} ({ACCEPT_LENGTH_Z:g} * s {stats.std(K):.3f}"
                            f" / sqrt({stats.rounds}))")
     _per_position_rows(report, REFERENCE, prediction, stats)
+    logged = prediction.logged_accept_length
+    if logged is not None:   # the trainer's own figure is its prediction at the K it trained
+        assert logged == pytest.approx(prediction.accept_length(len(prediction.full_acc)), abs=1e-6), (
+            f"{trainer} [{CASE}]: its logged accept length {logged} is not 1 + sum full_acc "
+            f"{prediction.accept_length(len(prediction.full_acc))} of the same counts")
     if rows:
         trained = acceptance.trained
         pytest.fail(rows_message(rows, R, trained, acceptance.target, ref, CASE, repro), pytrace=False)
-    assert not sampled, (f"reference [{CASE}, fp32]: the {R} drawn rounds do not represent the held-out rows "
-                         f"(every drawn row matched training exactly)\n  " + "\n  ".join(sampled)
+    assert not sampled, (f"reference [{CASE}, {trainer}-trained, fp32]: the {R} drawn rounds do not represent the "
+                         f"held-out rows (every drawn row matched training exactly)\n  " + "\n  ".join(sampled)
                          + f"\n  repro: {repro}")
 
 
@@ -270,7 +284,7 @@ def test_prediction_and_drafting_are_checked_apart(acceptance, monkeypatch):
     monkeypatch.setattr(SpeculatorsAdapter, "load", load)
     with monkeypatch.context() as m:
         m.setattr(LoadedSpeculators, "drafter", never)          # the prediction never drafts
-        prediction = speculators_prediction(trained)
+        prediction = training_prediction(trained)
     requests = acceptance.requests[:SHARED_REQUESTS]
     with monkeypatch.context() as m:
         m.setattr(core, "compute_metrics", never)               # the simulation never scores
@@ -287,6 +301,35 @@ def test_prediction_and_drafting_are_checked_apart(acceptance, monkeypatch):
                     drafts_message("speculators", drafts, len(requests), trained, target, trained.checkpoints,
                                    tuple(trained.config.aux_layer_ids), reference, CASE, "-")):
         assert re.search(r"first divergen(ce at step 0, stage|t stage: step 0) 'recurrent_hidden'", message), message
+
+
+@pytest.mark.cpu
+@pytest.mark.meta
+@pytest.mark.parametrize("trainer", [t for t in TRAINERS if t != DEFAULT_TRAINER])
+def test_row_check_fails_on_a_planted_trainer_forward(trainer, acceptance_of, monkeypatch):
+    """The row check on another trainer's draft can fail: its training forward planted (the hidden fed to the
+    next step normed, norm_output flipped on the loaded model) scores other rows than the reference's rounds
+    accept, and the failure names the first divergent stage of the trainer's forward on that round. (The
+    default trainer's: test_prediction_and_drafting_are_checked_apart.)"""
+    acceptance = acceptance_of(trainer)
+    trained, target = acceptance.trained, acceptance.target
+    reference = _first(acceptance.simulated(REFERENCE), SHARED_REQUESTS)
+    adapter = ADAPTERS[trainer]
+    real_load = adapter.load
+
+    def load(self, *args, **kwargs):
+        loaded = real_load(self, *args, **kwargs)
+        loaded.model.config.norm_output = not loaded.model.config.norm_output
+        return loaded
+
+    monkeypatch.setattr(adapter, "load", load)
+    prediction = training_prediction(trained, target=target)
+    requests = acceptance.requests[:SHARED_REQUESTS]
+    rows = row_mismatches(prediction, reference, requests)
+    assert rows, f"{trainer} with norm_output flipped [{CASE}]: its scores equal the reference's rounds at every row"
+    message = rows_message(rows, len(requests), trained, target, reference, CASE, "-")
+    assert re.search(rf"reference vs {trainer}' training metrics .*first divergence at step \d+, stage '", message,
+                     re.S), message
 
 
 @pytest.mark.cpu

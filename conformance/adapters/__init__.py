@@ -26,6 +26,8 @@ IMPLEMENTATIONS = tuple(name for name in ALL_IMPLEMENTATIONS if ADAPTERS[name].l
 # engine) the areas drive in this process; and the trainer whose own training path trains the acceptance
 # area's tiny draft. Each is found by its adapter's capability, never by name.
 DEFAULT_SERVER = next(name for name, a in ADAPTERS.items() if a.default_server)
+# DEFAULT_TRAINER: the first adapter with a training path (ADAPTERS order) trains the draft every area uses; the
+# acceptance bridge trains one with each (trained_draft.TRAINERS).
 DEFAULT_TRAINER = next(name for name, a in ADAPTERS.items() if a.training is not None)
 # The registry's entries hold per implementation and installed version: it learns both from here.
 registry.use_implementations({name: ADAPTERS[name].version for name in ALL_IMPLEMENTATIONS})

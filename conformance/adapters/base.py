@@ -168,7 +168,10 @@ class DraftAdapter(Protocol):
     engine: ClassVar[ModuleType | None]            # its serving engine end to end: the engine lane
                                                    # (adapters/sglang/engine.py, its shims engine_shims.py)
     training: ClassVar[ModuleType | None]          # its own training path: the acceptance area trains its tiny
-                                                   # draft with it (adapters/speculators/training.py)
+                                                   # draft with it and predicts from its metrics; the module has
+                                                   # train_draft(recipe, target, target_dir, train_ids) and
+                                                   # heldout_scores(adapter, trained, target, steps)
+                                                   # (adapters/speculators/training.py, adapters/nemo/training.py)
     training_capture: ClassVar[ModuleType | None]  # a trainer's own capture of the target's aux states (its
                                                    # target backends): the wiring area runs it on the suite's targets
                                                    # against its convention in wiring/cases.py TRAINERS

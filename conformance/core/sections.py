@@ -11,7 +11,7 @@ PASS, KNOWN, FAIL = "pass", "known divergence", "FAIL"   # the outcomes of a com
 # The engine lane's accept-length bridge (conformance/engine/bridge.py): its section, chart and plotted columns.
 ACCEPT_SECTION = "engine: training accuracy to measured accept length"
 ACCEPT_CHART_FILE = "accept_length.png"
-ACCEPT_COLUMNS = ("predicted (speculators' full_acc, all held-out rows)", "SGLang measured (meta_info)",
+ACCEPT_COLUMNS = ("predicted (the trainer's full_acc, all held-out rows)", "SGLang measured (meta_info)",
                   "simulated (reference, same requests)", "SGLang per verify round (histogram)",
                   "training's scores at the engine's rounds")
 

@@ -34,11 +34,11 @@ class AcceptRow:
     K: int
     scenarios: tuple[str, ...]
     requests: int
-    predicted: float               # speculators' full_acc over every held-out start row
+    predicted: float               # the trainer's full_acc over every held-out start row
     measured: Fraction             # SGLang: sum completion tokens / sum verify count
     simulated: Fraction            # the reference's rounds on the same requests, same quotient
     per_round: Fraction            # SGLang: 1 + sum accepted drafts (its histogram) / sum verify count
-    trained_rows: Fraction | None  # speculators' per-row scores at the engine's rounds (None: a round off them)
+    trained_rows: Fraction | None  # the trainer's per-row scores at the engine's rounds (None: a round off them)
     start_rows: tuple[int, int]    # first and last start row of the engine's rounds
     rounds: int
     unequal_requests: tuple[str, ...]   # findings.acceptance_failure, per request (the lane's own check)
@@ -79,11 +79,11 @@ def _training_at_rounds(prediction: Prediction, heldout: torch.Tensor, findings:
     return 1 + Fraction(sum(accepted), len(accepted))
 
 
-def accept_rows(lane: EngineLane, prediction: Prediction) -> dict[int, AcceptRow]:
-    """K -> its row, over the chain groups the lane serves (each served once per session; an engine
-    that failed gives no row)."""
+def accept_rows(lane: EngineLane, prediction: Prediction, groups=None) -> dict[int, AcceptRow]:
+    """K -> its row, over the chain groups the lane serves (`groups`: those of them; each served once per
+    session; an engine that failed gives no row)."""
     by_k: dict[int, list] = {}
-    for group in (g for g in GROUPS if g.chain):
+    for group in (g for g in (GROUPS if groups is None else groups) if g.chain):
         run = lane.run(group)
         if run.error:
             continue
@@ -109,9 +109,16 @@ def accept_rows(lane: EngineLane, prediction: Prediction) -> dict[int, AcceptRow
     return rows
 
 
-def served_ks() -> set[int]:
-    """The chain K of every engine group the lane serves (the seed flags' steps 1 is K = 1)."""
-    return {g.steps for g in GROUPS if g.chain}
+def served_ks(groups=None) -> set[int]:
+    """The chain K of every engine group the lane serves (the seed flags' steps 1 is K = 1), or of `groups`."""
+    return {g.steps for g in (GROUPS if groups is None else groups) if g.chain}
+
+
+def other_trainer_groups() -> tuple:
+    """What the lane serves a non-default trainer's draft with, for the bridge alone: the deepest chain group
+    (one engine start; K = the TTT steps the drafts are trained for, every shorter K read off the same rounds
+    by the reference simulation's rows)."""
+    return (max((g for g in GROUPS if g.chain), key=lambda g: g.steps),)
 
 
 def bridge_failures(rows: dict[int, AcceptRow], ks: set[int]) -> list[str]:
@@ -126,7 +133,7 @@ def bridge_failures(rows: dict[int, AcceptRow], ks: set[int]) -> list[str]:
                        f"{list(row.unequal_requests) or 'none'}")
         if row.trained_rows != row.per_round:
             out.append(f"K = {K} ({', '.join(row.scenarios)}): SGLang's per-round accept length {row.per_round} "
-                       f"({float(row.per_round):.4f}), speculators' training scores at the same {row.rounds} "
+                       f"({float(row.per_round):.4f}), the trainer's training scores at the same {row.rounds} "
                        f"rounds' start rows " + ("none (a round is off the held-out rows training scored)"
                                                  if row.trained_rows is None else f"{row.trained_rows} "
                                                  f"({float(row.trained_rows):.4f})"))

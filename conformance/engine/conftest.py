@@ -15,6 +15,26 @@ def engine_lane(trained_draft, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def engine_lane_of(engine_lane, tmp_path_factory):
+    """trainer -> an engine lane serving the tiny draft that trainer's own training path trained (the default
+    trainer's is `engine_lane`); each started when first asked for, every engine shut down at the end."""
+    from conformance.acceptance.trained_draft import recipe_for, trained_draft
+    from conformance.engine.lane import EngineLane
+
+    lanes = {engine_lane.trained.trainer: engine_lane}
+
+    def of(trainer: str):
+        if trainer not in lanes:
+            root = tmp_path_factory.mktemp(f"engine-{trainer}")
+            lanes[trainer] = EngineLane(trained_draft(recipe_for(trainer)), root)
+        return lanes[trainer]
+    yield of
+    for lane in lanes.values():
+        if lane is not engine_lane:
+            lane.close()
+
+
+@pytest.fixture(scope="session")
 def served_lanes(tmp_path_factory):
     """The engine lanes of servers in environments of their own (conformance/engine/served_lane.py): one per engine
     module, each group served once per session."""

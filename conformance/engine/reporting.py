@@ -50,10 +50,11 @@ def record_request(report: Recorder, scenario_id: str, finding: RequestFinding, 
         f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`"})
 
 
-def record_accept_rows(report: Recorder, rows: dict, recorded: set) -> None:
-    """Once per session: the accept-length bridge, one row per chain K (conformance/engine/bridge.py)."""
+def record_accept_rows(report: Recorder, rows: dict, recorded: set, trainer: str | None = None) -> None:
+    """Once per session (per lane): the accept-length bridge, one row per chain K (conformance/engine/bridge.py);
+    `trainer`: whose draft and training metrics, named in each row when given."""
     if "accept rows" in recorded:
         return
     recorded.add("accept rows")
     for row in rows.values():
-        report.add_row(Section.ENGINE_ACCEPT, row.report_row())
+        report.add_row(Section.ENGINE_ACCEPT, ({"trainer": trainer} if trainer else {}) | row.report_row())

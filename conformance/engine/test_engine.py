@@ -16,7 +16,9 @@ from conformance.adapters.sglang.drafting import row_slot_kv
 from conformance.core.matching import KnownDivergenceHit, match_forward, settle
 from conformance.core.registry import applicable
 from conformance.core.sections import Section
-from conformance.engine.bridge import accept_rows, bridge_failures, served_ks
+from conformance.acceptance.trained_draft import TRAINERS
+from conformance.adapters import DEFAULT_TRAINER
+from conformance.engine.bridge import accept_rows, bridge_failures, other_trainer_groups, served_ks
 from conformance.engine.check import compare_tree_round
 from conformance.engine.findings import scenario_findings
 from conformance.engine.reporting import record_accept_rows, record_group, record_request
@@ -175,6 +177,24 @@ def test_training_accuracy_to_measured_accept_length(engine_lane, acceptance, re
     failures = bridge_failures(rows, served_ks())
     assert not failures, "sglang engine vs reference [accept length per K, fp32]:\n  " + "\n  ".join(failures) + (
         f"\n  repro: {repro}")
+
+
+@pytest.mark.parametrize("trainer", [t for t in TRAINERS if t != DEFAULT_TRAINER])
+def test_other_trainers_training_accuracy_to_measured_accept_length(trainer, engine_lane_of, acceptance_of, report,
+                                                                     repro):
+    """The same bridge for a draft another trainer's own training path trained (NeMo Automodel: its TTT
+    trainer's per-row prefix scores, the counts behind its logged train_tau_sim), served by SGLang's engine
+    from the SGLang-format copy: SGLang's measured accept length equals the reference's simulation exactly,
+    and the trainer's own scores at the engine's rounds give SGLang's per-round accept length exactly. One
+    chain engine (bridge.other_trainer_groups) keeps the lane's time small."""
+    lane, groups = engine_lane_of(trainer), other_trainer_groups()
+    rows = accept_rows(lane, acceptance_of(trainer).prediction, groups)
+    for group in groups:
+        record_group(report, lane.run(group), lane.recorded)
+    record_accept_rows(report, rows, lane.recorded, trainer)
+    failures = bridge_failures(rows, served_ks(groups))
+    assert not failures, (f"sglang engine vs reference [accept length per K, {trainer}-trained draft, fp32]:\n  "
+                          + "\n  ".join(failures) + f"\n  repro: {repro}")
 
 
 def test_accept_length_check_fails_on_a_mismatched_row(engine_lane, acceptance):

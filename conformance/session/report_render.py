@@ -405,7 +405,8 @@ def write_accept_chart(data: dict, path: Path) -> None:
     """A PNG of accept length per chain K from the accept-length section's rows (nothing written when the
     engine lane did not run): the prediction, SGLang's measurement and the simulation (drawn over it:
     equal when the engine conforms), and SGLang's per-round figure. Deterministic: no metadata."""
-    rows = sorted(data["sections"].get(ACCEPT_SECTION, []), key=lambda r: r["K"])
+    # The default trainer's draft (its rows name no trainer); another trainer's rows are in the table only.
+    rows = sorted((r for r in data["sections"].get(ACCEPT_SECTION, []) if "trainer" not in r), key=lambda r: r["K"])
     if not rows:
         return
     import matplotlib

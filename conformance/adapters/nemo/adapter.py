@@ -21,7 +21,7 @@ from typing import Callable, ClassVar, Mapping
 import torch
 
 from conformance.adapters.base import AdapterBase, Drafter, TimedPass, batch_on
-from conformance.adapters.nemo import wiring
+from conformance.adapters.nemo import training, wiring
 from conformance.adapters.nemo.checkpoint import load_with_nemo, prepare_for_sglang, quiet, save_with_nemo
 from conformance.adapters.nemo.recorder import Recorder
 from conformance.adapters.speculators.adapter import teacher_forced_drafter
@@ -50,6 +50,7 @@ class NemoAdapter(AdapterBase):
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST) - NOT_OBSERVABLE
     draft_group: ClassVar[int | None] = 8   # its eager attention is dense over the whole packed row
     serving_decode: ClassVar[bool] = False
+    training: ClassVar[ModuleType | None] = training   # its own training path: trains a draft for the acceptance bridge
     training_capture: ClassVar[ModuleType | None] = wiring   # its HF target and its SGLang runner (wiring.py)
     save_checkpoint: ClassVar[Callable[..., Path] | None] = staticmethod(save_with_nemo)   # its checkpointer
     # its own SGLang helper (serve_sglang.py): the directory its users serve with SGLang

@@ -7,6 +7,7 @@ conformance.acceptance.trained_draft.Recipe (read by field name).
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -137,6 +138,26 @@ def train(recipe, model, items: list[dict]) -> list[dict]:
     return log
 
 
+def train_draft(recipe, target, target_dir: Path, train_ids: torch.Tensor) -> dict:
+    """The whole build (the `training` capability's entry, as for every trainer): speculators' vocabulary from
+    the response tokens, its draft, its training loop on the target's aux states, its save_pretrained config.
+    -> {"config": Eagle3Config, "weights": the draft's tensors by canonical name, "log": ..., "draft_vocab":
+    target ids of the draft vocabulary}."""
+    from conformance.checkpoints import read_config
+
+    vocab = target.model.config.vocab_size
+    d2t, t2d = draft_vocabulary(train_ids[:, recipe.prompt_tokens:], recipe.draft_vocab_size, vocab)
+    model = make_draft_model(recipe, target_dir, t2d, d2t)
+    _, aux, last = target.run(train_ids, tuple(model.config.eagle_aux_hidden_state_layer_ids))
+    log = train(recipe, model, speculators_items(train_ids, aux, last))
+    with tempfile.TemporaryDirectory() as saved:
+        model.save_pretrained(saved)
+        cfg = read_config(Path(saved))
+    weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()
+               if not k.startswith("verifier_")}   # the teacher's head and norm are the target's
+    return {"config": cfg, "weights": weights, "log": log, "draft_vocab": t2d.nonzero().flatten()}
+
+
 def heldout_metrics(adapter, ckpt_dir: Path, target_dir: Path, items: list[dict], hidden_size: int, num_aux: int,
                     steps: int, loss: str) -> dict[str, float]:
     """speculators' training forward with its loss and metrics on every item, summed (`full_acc_k_sum`,
@@ -161,6 +182,33 @@ def heldout_metrics(adapter, ckpt_dir: Path, target_dir: Path, items: list[dict]
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
     return totals
+
+
+def heldout_scores(adapter, trained, target, steps: int) -> dict:
+    """speculators' training forward with its loss and metrics on every held-out sequence of `trained` (the
+    acceptance area's TrainedDraft), one sequence per forward (heldout_metrics), and what its metrics scored
+    at each start row (scored_starts). -> {"full_acc", "cond_acc": per TTT step, "starts": rows scored at
+    step 0, "correct": [sequences, T - 1, steps] drafts 0..k all right at start row t}."""
+    cfg = trained.config
+    _, aux, last = target.run(trained.heldout_ids, cfg.aux_layer_ids)
+    items = speculators_items(trained.heldout_ids, aux, last)
+    with scored_starts() as seen:
+        totals = heldout_metrics(adapter(), trained.checkpoints[adapter.checkpoint_format], trained.target_dir,
+                                 items, cfg.hidden_size, cfg.num_aux_hidden_states, steps, trained.recipe.loss)
+    full = [totals[f"full_acc_{k}_sum"] / totals[f"full_acc_{k}_total"] for k in range(steps)]
+    cond = [totals[f"cond_acc_{k}_sum"] / totals[f"cond_acc_{k}_total"] for k in range(steps)]
+    S, rows = trained.heldout_ids.shape[0], trained.heldout_ids.shape[1] - 1   # shift_batch: T - 1 pairs
+    if len(seen) != S * steps:
+        raise RuntimeError(f"speculators scored {len(seen)} (sequence, step) pairs, expected {S} x {steps}")
+    correct = torch.zeros(S, rows, steps, dtype=torch.bool)
+    for i, mask in enumerate(seen):
+        correct[i // steps, :mask.numel(), i % steps] = mask
+    # The observation must add up to what the metrics reported, step by step.
+    observed = [int(correct[:, :, k].sum()) for k in range(steps)]
+    reported = [round(totals[f"full_acc_{k}_sum"]) for k in range(steps)]
+    if observed != reported:
+        raise RuntimeError(f"per-row scores {observed} do not add up to speculators' full_acc sums {reported}")
+    return {"full_acc": full, "cond_acc": cond, "starts": int(totals["full_acc_0_total"]), "correct": correct}
 
 
 @contextlib.contextmanager
