@@ -4,8 +4,8 @@ same recipe trained by every other trainer's own training path (trained_draft.TR
 Exact in fp32 (conformance/acceptance/exact.py): each implementation drafts the reference's tokens in
 every verify round and at every draft position, and the reference accepts at every start row exactly
 what the trainer's training metrics scored there (on each trainer's own draft). Only the drawn rounds
-against all held-out rows (1 + sum_k full_acc_k) keep conformance/core/tolerances.py's sampling bound. Planted wiring faults
-must move the accept length by more than that bound and be named at their stage.
+against all held-out rows (1 + sum_k full_acc_k) keep conformance/core/tolerances.py's sampling bound.
+Planted wiring faults must move the accept length by more than that bound and be named at their stage.
 """
 from __future__ import annotations
 
