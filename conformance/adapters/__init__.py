@@ -26,7 +26,11 @@ IMPLEMENTATIONS = tuple(name for name in ALL_IMPLEMENTATIONS if ADAPTERS[name].l
 DEFAULT_SERVER = next(name for name, a in ADAPTERS.items() if a.default_server)
 DEFAULT_TRAINER = next(name for name, a in ADAPTERS.items() if a.training is not None)
 # The registry's entries hold per implementation and installed version: it learns both from here.
-registry.use_implementations({name: ADAPTERS[name].version for name in ALL_IMPLEMENTATIONS})
+# An engine that runs a build of its own (vLLM's CPU build, in the vLLM engine environment) reads its own version,
+# which the registry's engine entries hold against (areas.Area.engine); an in-process engine is its adapter's package.
+registry.use_implementations({name: ADAPTERS[name].version for name in ALL_IMPLEMENTATIONS},
+                             {name: ADAPTERS[name].engine.version for name in ALL_IMPLEMENTATIONS
+                              if getattr(ADAPTERS[name].engine, "version", None) is not None})
 
 TOOLING = ("transformers", "safetensors", "hypothesis", "pytest")   # besides torch and the implementations
 

