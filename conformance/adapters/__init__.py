@@ -46,6 +46,11 @@ def versions() -> dict[str, str]:
     for a in ADAPTERS.values():   # an implementation in an environment of its own (e.g. vLLM) knows its version
         if a.package and out[a.package] == "not installed":
             out[a.package] = a.version() or "not installed"
+    for a in ADAPTERS.values():   # an engine that runs a build of its own (vLLM's CPU build): the one that serves
+        if (build := getattr(a.engine, "build", None)) and (what := build()):
+            out[a.engine.PACKAGE] = what
+            if out[a.package] == "not installed":   # the model-level lane's package: only the engine's is here
+                del out[a.package]
     return out
 
 

@@ -6,12 +6,17 @@ the reference exactly: outputs, vLLM's own spec-decode counters, and every round
 """
 from __future__ import annotations
 
+import dataclasses
+from fractions import Fraction
+
 import pytest
 
 from conformance.adapters import ADAPTERS
 from conformance.core.areas import ENGINE as ENGINE_AREA
 from conformance.core.matching import KnownDivergenceHit, judge, settle
 from conformance.core.registry import REGISTRY, applicable
+from conformance.engine.bridge import bridge_failures, bridge_groups, served_accept_rows
+from conformance.engine.reporting import record_accept_rows, request_row, server_row
 from conformance.core.sections import Section
 from conformance.engine.served_lane import GROUPS, ServedGroup
 from conformance.engine.scenarios import Prompt, Scenario
@@ -49,16 +54,19 @@ def record_group(report, run, lane) -> None:
         return
     lane.recorded.add(run.group.id)
     r = run.resolved
-    report.add_row(Section.ENGINE_SERVERS, {
-        "engine": f"vllm {run.group.id}", "requested (steps/topk/draft tokens)": f"{run.group.K}/1/{run.group.K + 1}",
+    report.add_row(Section.ENGINE_SERVERS, server_row({
+        "engine": f"{ENGINE.NAME} {run.group.id}",
+        "requested (steps/topk/draft tokens)": f"{run.group.K}/1/{run.group.K + 1}",
         "resolved (steps/topk/draft tokens)": f"{r.get('num_speculative_tokens')}/1/"
                                               f"{(r.get('num_speculative_tokens') or 0) + 1}",
         "chunked prefill": r.get("long_prefill_token_threshold") or r.get("chunked prefill"),
+        "overlap schedule off": None if "async scheduling" not in r else not r["async scheduling"],
         "radix cache off": not r.get("prefix caching", True), "attention": r.get("attention backend"),
         "page size": r.get("block size"), "planted": run.planted or "",
-        "versions": f"vllm {r.get('vllm')} (CPU build), torch {r.get('torch')}, {r.get('model runner')}",
-        "error": run.error or ""})
-    report.add_timing({"engine": f"vllm {run.group.id}", "engine start s": round(run.start_seconds, 1),
+        "versions": f"{ENGINE.NAME} {r.get('vllm')} ({ENGINE.PACKAGE}, the CPU build), torch {r.get('torch')}, "
+                    f"{r.get('model runner')}",
+        "error": run.error or ""}))
+    report.add_timing({"engine": f"{ENGINE.NAME} {run.group.id}", "engine start s": round(run.start_seconds, 1),
                        "serving s": {s.scenario.id: round(s.seconds, 1) for s in run.scenarios.values()}})
 
 
@@ -69,8 +77,8 @@ def record_request(report, lane, scenario_id, f) -> None:
     m = f.request.served.meta.get("spec_decode") or {}
     first = None if f.divergence is None else f.divergence.first_divergence
     accepted = f.reference_accepted
-    report.add_row(Section.ENGINE, {
-        "server": "vllm engine", "scenario": scenario_id, "request": f.request.label,
+    report.add_row(Section.ENGINE, request_row({
+        "server": f"{ENGINE.NAME} engine", "scenario": scenario_id, "request": f.request.label,
         "cached tokens": f.request.served.meta.get("num_cached_tokens"),
         "verify ct served/ref": f"{m.get('num_spec_steps')}/{len(accepted)}",
         "histogram served": str(m.get("acceptance_histogram")),
@@ -80,7 +88,7 @@ def record_request(report, lane, scenario_id, f) -> None:
         "lossless": f.lossless_failure() is None,
         "rounds conforming": f"{f.conforming_rounds}/{len(f.request.rounds)}",
         "first divergence": "none" if first is None else
-        f"round {f.conforming_rounds}, step {first.step} `{first.stage}`"})
+        f"round {f.conforming_rounds}, step {first.step} `{first.stage}`"}))
 
 
 @pytest.mark.parametrize("group,scenario", ALL)
@@ -232,3 +240,44 @@ def test_chunk_end_entry_matches_only_its_rows(group, scenario, vllm_engine, rep
         ids[row] = (ids[row] + 1) % 97 if plant == "another row" else planted.request.served.prompt[len(ids)]
         assert not judge(ENGINE_AREA, known, planted.observed()).explained, (
             f"planted {plant}: still taken for the chunk-end entry ({planted.observed()})")
+
+
+@pytest.fixture(scope="module")
+def prediction(vllm_engine):
+    """speculators' prediction of the lane's trained 1-layer draft (its training forward and metrics on every
+    held-out sequence: conformance/acceptance/acceptance.py)."""
+    from conformance.acceptance.acceptance import speculators_prediction
+
+    vllm_engine.reference(1)
+    return speculators_prediction(vllm_engine.trained[1])
+
+
+def test_training_accuracy_to_measured_accept_length(vllm_engine, prediction, report, repro):
+    """Per chain K, speculators' predicted accept length next to the one vLLM's engine measured (its own
+    spec-decode counters) and the reference's simulation of the same requests (the report's accept-length table
+    and accept_length.png, beside SGLang's rows). vLLM's figure equals the simulation's exactly, and speculators'
+    per-row training scores at the engine's own rounds give it exactly; the prediction over all held-out rows is
+    shown beside them, not asserted (other rows). The bridge reads the groups of the speculators-format 1-layer
+    draft and their scenarios within the held-out rows (bridge.bridge_scenarios)."""
+    rows = served_accept_rows(vllm_engine, prediction)
+    record_accept_rows(report, rows, vllm_engine.recorded)
+    failures = bridge_failures(rows, {g.K for g in bridge_groups()})
+    assert not failures, "vllm engine vs reference [accept length per K, fp32]:\n  " + "\n  ".join(failures) + (
+        f"\n  repro: {repro}")
+
+
+@pytest.mark.meta
+def test_accept_length_check_fails_on_a_mismatched_row(vllm_engine, prediction):
+    """Meta: the bridge's check catches a planted mismatch in each column it holds exact, and a missing K."""
+    rows = served_accept_rows(vllm_engine, prediction)
+    ks = {g.K for g in bridge_groups()}
+    assert rows and not bridge_failures(rows, ks), "the unplanted rows must pass (see the test above)"
+    K = max(rows)
+    row = rows[K]
+    plants = {"measured": dataclasses.replace(row, measured=row.measured + Fraction(1, row.rounds)),
+              "training's rows": dataclasses.replace(row, trained_rows=row.per_round - Fraction(1, row.rounds))}
+    for what, planted in plants.items():
+        failures = bridge_failures({**rows, K: planted}, ks)
+        assert len(failures) == 1 and failures[0].startswith(f"K = {K} "), f"planted {what}: {failures}"
+    missing = bridge_failures({k: v for k, v in rows.items() if k != K}, ks)
+    assert missing == [f"K = {K}: no accept-length row (the engine at K = {K} did not serve)"], missing

@@ -24,6 +24,9 @@ from safetensors import safe_open
 from conformance.engine.served import Pass, ServedRound
 
 NAME = "vllm"   # the report's server column (conformance/engine/reporting.py)
+# What vLLM's own accept length is (the accept-length bridge, conformance/engine/bridge.py): its mean acceptance
+# length, from its spec-decode counters (v1/spec_decode/metrics.py).
+ACCEPT_LENGTH = "1 + accepted tokens / drafts, per verify round (its spec-decode counters, LLM.get_metrics)"
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).resolve().parent / "engine_worker.py"
 VENV_VARIABLE = "VLLM_ENGINE_VENV"
@@ -42,12 +45,24 @@ def venv() -> Path:
     return Path(os.environ.get(VENV_VARIABLE) or ROOT / ".venv-vllm-engine").absolute()
 
 
-def version() -> str | None:
-    """The version of vLLM's CPU build in the engine environment (its metadata, no process started)."""
+def _installed(package: str) -> str | None:
     for site in (venv() / "lib").glob("python*/site-packages"):
-        for dist in metadata.distributions(name=PACKAGE, path=[str(site)]):
+        for dist in metadata.distributions(name=package, path=[str(site)]):
             return dist.version
     return None
+
+
+def version() -> str | None:
+    """The version of vLLM's CPU build in the engine environment (its metadata, no process started)."""
+    return _installed(PACKAGE)
+
+
+def build() -> str | None:
+    """What the report's versions line names for this engine (None: the environment is missing): vLLM's CPU build
+    and the torch it runs with, read from the environment's metadata."""
+    if (v := version()) is None:
+        return None
+    return f"{v} (vLLM's CPU build, the vLLM engine lane; torch {_installed('torch')})"
 
 
 def missing() -> str | None:
