@@ -100,3 +100,48 @@ def record_accept_rows(report: Recorder, rows: dict, recorded: set) -> None:
     recorded.add("accept rows")
     for row in rows.values():
         report.add_row(Section.ENGINE_ACCEPT, row.report_row())
+
+
+def record_served_group(report: Recorder, run, lane) -> None:
+    """Once per engine of a served lane (served_lane.ServedLane: vLLM's), in SGLang's columns (server_row): the
+    server arguments as the engine resolved them, what served (versions), and its timings apart."""
+    if run.group.id in lane.recorded:
+        return
+    lane.recorded.add(run.group.id)
+    r = run.resolved
+    report.add_row(Section.ENGINE_SERVERS, server_row({
+        "engine": f"{lane.engine.NAME} {run.group.id}",
+        "requested (steps/topk/draft tokens)": f"{run.group.K}/1/{run.group.K + 1}",
+        "resolved (steps/topk/draft tokens)": f"{r.get('num_speculative_tokens')}/1/"
+                                              f"{(r.get('num_speculative_tokens') or 0) + 1}",
+        "chunked prefill": r.get("long_prefill_token_threshold") or r.get("chunked prefill"),
+        "overlap schedule off": None if "async scheduling" not in r else not r["async scheduling"],
+        "radix cache off": not r.get("prefix caching", True), "attention": r.get("attention backend"),
+        "page size": r.get("block size"), "planted": run.planted or "",
+        "versions": f"{lane.engine.PACKAGE} {r.get(lane.engine.NAME)}, torch {r.get('torch')}, {r.get('model runner')}",
+        "error": run.error or ""}))
+    report.add_timing({"engine": f"{lane.engine.NAME} {run.group.id}", "engine start s": round(run.start_seconds, 1),
+                       "serving s": {s.scenario.id: round(s.seconds, 1) for s in run.scenarios.values()}})
+
+
+def record_served_request(report: Recorder, lane, scenario_id: str, f) -> None:
+    """Once per request of a served lane, in SGLang's columns (request_row): the server's own counts (its
+    per-request spec-decode metrics) next to the reference's, and where its rounds first leave it."""
+    if ("request", scenario_id, f.request.label) in lane.recorded:
+        return
+    lane.recorded.add(("request", scenario_id, f.request.label))
+    m = f.request.served.meta.get("spec_decode") or {}
+    first = None if f.divergence is None else f.divergence.first_divergence
+    accepted = f.reference_accepted
+    report.add_row(Section.ENGINE, request_row({
+        "server": f"{lane.engine.NAME} engine", "scenario": scenario_id, "request": f.request.label,
+        "cached tokens": f.request.served.meta.get("num_cached_tokens"),
+        "verify ct served/ref": f"{m.get('num_spec_steps')}/{len(accepted)}",
+        "histogram served": str(m.get("acceptance_histogram")),
+        "histogram ref": str([accepted.count(a) for a in range(f.K + 1)]),
+        "accept length served": m.get("mean_acceptance_length"),
+        "accept length ref": 1 + sum(accepted) / len(accepted) if accepted else None,
+        "lossless": f.lossless_failure() is None,
+        "rounds conforming": f"{f.conforming_rounds}/{len(f.request.rounds)}",
+        "first divergence": "none" if first is None else
+        f"round {f.conforming_rounds}, step {first.step} `{first.stage}`"}))

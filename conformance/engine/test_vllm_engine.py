@@ -16,8 +16,7 @@ from conformance.core.areas import ENGINE as ENGINE_AREA
 from conformance.core.matching import KnownDivergenceHit, judge, settle
 from conformance.core.registry import REGISTRY, applicable
 from conformance.engine.bridge import bridge_failures, bridge_groups, served_accept_rows
-from conformance.engine.reporting import record_accept_rows, request_row, server_row
-from conformance.core.sections import Section
+from conformance.engine.reporting import record_accept_rows, record_served_group, record_served_request
 from conformance.engine.served_lane import GROUPS, ServedGroup
 from conformance.engine.scenarios import Prompt, Scenario
 
@@ -39,56 +38,14 @@ SHALLOWER = next(e for e in REGISTRY if e.id == "vllm-wiring-sglang-ids-one-shal
 
 def served(lane, group: ServedGroup, scenario: Scenario, report):
     run = lane.run(group)
-    record_group(report, run, lane)
+    record_served_group(report, run, lane)
     if run.error:
         pytest.fail(run.error, pytrace=False)
     scenario_run = run.scenarios[scenario.id]
     findings = lane.findings(run, scenario_run)
     for f in findings:
-        record_request(report, lane, scenario.id, f)
+        record_served_request(report, lane, scenario.id, f)
     return run, scenario_run, findings
-
-
-def record_group(report, run, lane) -> None:
-    if run.group.id in lane.recorded:
-        return
-    lane.recorded.add(run.group.id)
-    r = run.resolved
-    report.add_row(Section.ENGINE_SERVERS, server_row({
-        "engine": f"{ENGINE.NAME} {run.group.id}",
-        "requested (steps/topk/draft tokens)": f"{run.group.K}/1/{run.group.K + 1}",
-        "resolved (steps/topk/draft tokens)": f"{r.get('num_speculative_tokens')}/1/"
-                                              f"{(r.get('num_speculative_tokens') or 0) + 1}",
-        "chunked prefill": r.get("long_prefill_token_threshold") or r.get("chunked prefill"),
-        "overlap schedule off": None if "async scheduling" not in r else not r["async scheduling"],
-        "radix cache off": not r.get("prefix caching", True), "attention": r.get("attention backend"),
-        "page size": r.get("block size"), "planted": run.planted or "",
-        "versions": f"{ENGINE.NAME} {r.get('vllm')} ({ENGINE.PACKAGE}, the CPU build), torch {r.get('torch')}, "
-                    f"{r.get('model runner')}",
-        "error": run.error or ""}))
-    report.add_timing({"engine": f"{ENGINE.NAME} {run.group.id}", "engine start s": round(run.start_seconds, 1),
-                       "serving s": {s.scenario.id: round(s.seconds, 1) for s in run.scenarios.values()}})
-
-
-def record_request(report, lane, scenario_id, f) -> None:
-    if ("request", scenario_id, f.request.label) in lane.recorded:
-        return
-    lane.recorded.add(("request", scenario_id, f.request.label))
-    m = f.request.served.meta.get("spec_decode") or {}
-    first = None if f.divergence is None else f.divergence.first_divergence
-    accepted = f.reference_accepted
-    report.add_row(Section.ENGINE, request_row({
-        "server": f"{ENGINE.NAME} engine", "scenario": scenario_id, "request": f.request.label,
-        "cached tokens": f.request.served.meta.get("num_cached_tokens"),
-        "verify ct served/ref": f"{m.get('num_spec_steps')}/{len(accepted)}",
-        "histogram served": str(m.get("acceptance_histogram")),
-        "histogram ref": str([accepted.count(a) for a in range(f.K + 1)]),
-        "accept length served": m.get("mean_acceptance_length"),
-        "accept length ref": 1 + sum(accepted) / len(accepted) if accepted else None,
-        "lossless": f.lossless_failure() is None,
-        "rounds conforming": f"{f.conforming_rounds}/{len(f.request.rounds)}",
-        "first divergence": "none" if first is None else
-        f"round {f.conforming_rounds}, step {first.step} `{first.stage}`"}))
 
 
 @pytest.mark.parametrize("group,scenario", ALL)
@@ -203,7 +160,7 @@ def test_prefix_hit_drafts_equal_the_cold_run(group, scenario, vllm_engine, repo
 def test_engine_runs_vllms_cpu_build(vllm_engine, report):
     """What served: vLLM's CPU build with its CPU_ATTN kernel and no shim, the V1 CPU model runner, EagleProposer."""
     run = vllm_engine.run(GROUPS[0])
-    record_group(report, run, vllm_engine)
+    record_served_group(report, run, vllm_engine)
     assert not run.error, run.error
     r = run.resolved
     assert (r["attention backend"], r["proposer"], r["draft class"], r["V2 model runner"]) == (
