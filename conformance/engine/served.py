@@ -8,39 +8,15 @@ runs the draft extend that opens the request's next round.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+# The served pass and round types live on the core floor, so that an adapter's engine (vLLM's, which cuts its own
+# capture into rounds: adapters/vllm/engine.py) builds them without importing this area.
+from conformance.core.served_round import Pass, ServedRound
+
+__all__ = ["EXTEND_MODES", "Pass", "ServedRound", "served_rounds"]
+
 EXTEND_MODES = ("EXTEND", "DRAFT_EXTEND_V2")
-
-
-@dataclass
-class Pass:
-    """One draft forward pass, cut to one request: per-row stages (one row per token it computed) and
-    per-request stages (the row the worker selected: hidden states and logits of LAST capture)."""
-
-    mode: str
-    positions: torch.Tensor                 # [n]
-    rows: dict[str, torch.Tensor]           # stage -> [n, ...]
-    selected: dict[str, torch.Tensor]       # stage -> [1, ...], at positions[-1]
-    batch: int                              # requests in the pass
-    width: int                              # rows the pass computed for this request
-
-    def trimmed(self, n: int) -> "Pass":
-        """The first n rows (a draft extend after verify computes every verify row; the accepted ones
-        count), the n-th being the one the worker selects."""
-        rows = {k: v[:n] for k, v in self.rows.items()}
-        selected = {k: v[n - 1:n] for k, v in self.rows.items() if k in ("logits", "recurrent_hidden")}
-        return Pass(self.mode, self.positions[:n], rows, {**self.selected, **selected}, self.batch, self.width)
-
-
-@dataclass
-class ServedRound:
-    extend: list[Pass]                      # step 0: this round's new rows, in order
-    decode: list[Pass] = field(default_factory=list)   # steps 1..K-1 (topk rows each for a tree)
-    tree: dict[str, torch.Tensor] = field(default_factory=dict)   # draft_tokens, parent_list, top_scores_index
-    accepted: int = -1                      # drafts verify accepted (SGLang's accept_lens - 1)
 
 
 def _cut(meta: dict, tensors: dict[str, torch.Tensor], topk: int) -> dict[str, Pass]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from conformance.engine.served import Pass, ServedRound
+from conformance.core.served_round import Pass, ServedRound
 
 NAME = "vllm"   # the report's server column (conformance/engine/reporting.py)
 # What vLLM's own accept length is (the accept-length bridge, conformance/engine/bridge.py): its mean acceptance
