@@ -30,7 +30,11 @@ DEFAULT_SERVER = next(name for name, a in ADAPTERS.items() if a.default_server)
 # acceptance bridge trains one with each (trained_draft.TRAINERS).
 DEFAULT_TRAINER = next(name for name, a in ADAPTERS.items() if a.training is not None)
 # The registry's entries hold per implementation and installed version: it learns both from here.
-registry.use_implementations({name: ADAPTERS[name].version for name in ALL_IMPLEMENTATIONS})
+# An engine that runs a build of its own (vLLM's CPU build, in the vLLM engine environment) reads its own version,
+# which the registry's engine entries hold against (areas.Area.engine); an in-process engine is its adapter's package.
+registry.use_implementations({name: ADAPTERS[name].version for name in ALL_IMPLEMENTATIONS},
+                             {name: ADAPTERS[name].engine.version for name in ALL_IMPLEMENTATIONS
+                              if getattr(ADAPTERS[name].engine, "version", None) is not None})
 
 TOOLING = ("transformers", "safetensors", "hypothesis", "pytest")   # besides torch and the implementations
 
@@ -46,6 +50,11 @@ def versions() -> dict[str, str]:
     for a in ADAPTERS.values():   # an implementation in an environment of its own (e.g. vLLM) knows its version
         if a.package and out[a.package] == "not installed":
             out[a.package] = a.version() or "not installed"
+    for a in ADAPTERS.values():   # an engine that runs a build of its own (vLLM's CPU build): the one that serves
+        if (build := getattr(a.engine, "build", None)) and (what := build()):
+            out[a.engine.PACKAGE] = what
+            if out[a.package] == "not installed":   # the model-level lane's package: only the engine's is here
+                del out[a.package]
     return out
 
 

@@ -37,6 +37,8 @@ class Entry(Protocol):
     reads: str | None
     source: str | None
     asserted: bool
+    round: int | None
+    rows: str | None
 
 
 # ---------------------------------------------------------------- observations
@@ -89,6 +91,16 @@ class Reading:
     reads: str
 
 
+@dataclass(frozen=True)
+class ServedDivergence:
+    """One request a serving engine served, against the reference (conformance/engine/check.py): its first
+    divergent round, draft step and stage (None: every round conformed), and which rows of that pass differ, as
+    the engine lane names them (ROW_SIGNATURES; "other" when none fits)."""
+
+    place: tuple[int, int, str] | None
+    rows: str = "other"
+
+
 @dataclass
 class Match:
     """The entries an observation is exactly, and what none of them explains."""
@@ -126,6 +138,12 @@ READING_SOURCES = ("observed", "read from code")   # code: its implementation ca
 WIRING_NAMES = frozenset({"target", "target_class", "format", "case", "trainer", "num_layers", "trained_on_default",
                           "config_has_ids", "first_config_id", "min_config_id", "max_config_id", "config_shift",
                           "runner"})   # runner: a server with more than one model runner (vLLM: "v1", "v2"); else None
+# A served scenario, as an engine entry's condition reads it: the draft tokens per round, prefill chunks (a chunk size
+# was set), prefix caching, the draft's format and layers, the model runner.
+ENGINE_NAMES = frozenset({"K", "chunked_prefill", "prefix_caching", "format", "layers", "runner"})
+# The rows of a served pass the engine lane recognises by what they hold (conformance/engine/served_lane.py
+# `row_signature`): an engine entry names one, and matches only a divergence at exactly those rows.
+ROW_SIGNATURES = ("partial chunk ends embed the prompt's last token",)
 
 
 def deciding(known: Sequence[Entry], num_layers: int) -> Entry | None:
@@ -192,6 +210,15 @@ def _match_reading(known: Sequence[Entry], seen: Reading) -> Match:
     return Match(hits[:1]) if hits else Match(unexplained=[f"reads {seen.key} as {seen.reads}"])
 
 
+def _match_engine(known: Sequence[Entry], seen: ServedDivergence) -> Match:
+    # A served request is a hit only at an entry's exact round, step and stage, with exactly its rows.
+    if seen.place is None:
+        return Match()
+    hits = [e for e in known if e.area == ENGINE and (e.round, e.step, e.stage, e.rows) == (*seen.place, seen.rows)]
+    r, step, stage = seen.place
+    return Match(hits[:1]) if hits else Match(unexplained=[f"round {r}, step {step} `{stage}` ({seen.rows})"])
+
+
 def _stage_ok(extra: tuple[str, ...] = ()) -> Callable[[str], bool]:
     stages = frozenset(stage_names(4)) | set(extra)
     return stages.__contains__
@@ -254,6 +281,12 @@ def _check_tensors(item: Mapping) -> tuple[str, str] | None:
     return problem
 
 
+def _check_engine(item: Mapping) -> tuple[str, str] | None:
+    if not (isinstance(item.get("round"), int) and item["round"] >= 0):
+        return "round", f"{item.get('round')!r} is not a round (an integer >= 0)"
+    return _check_draft(item, _stage_ok()) or _one_of("rows", ROW_SIGNATURES)(item)
+
+
 @dataclass(frozen=True)
 class Area:
     name: str
@@ -266,6 +299,9 @@ class Area:
     rank: int                           # where its problems come in the verdict (conformance/core/findings.py)
     validate: Callable[[Mapping], tuple[str, str] | None] = lambda item: None   # (field, why) of a bad entry
     optional: tuple[str, ...] = ()      # registry fields it may have besides its signature
+    # Its entries are of a serving engine, whose version is the one its adapter's engine runs (an engine in an
+    # environment of its own, e.g. vLLM's CPU build, has its own); else the implementation's installed version.
+    engine: bool = False
 
     def judge(self, known: Sequence[Entry], seen: object) -> Match:
         """The entries of this area (and of the areas it is decided with) that `seen` is exactly."""
@@ -275,6 +311,7 @@ class Area:
 
 
 LOAD = "load"
+ENGINE = "engine"
 _STEP_STAGE = ("step", "stage")
 
 
@@ -307,4 +344,8 @@ AREAS: dict[str, Area] = {a.name: a for a in (
          place=lambda e: f"reads {e.key} as {e.reads}",
          cell=lambda e: f"reads {e.key} as {e.reads} ({e.source or 'observed'}; {e.id})", rank=READING,
          validate=_check_reading, optional=("fix", "source", "step", "stage", "error", "message")),
+    Area(ENGINE, ("round", "step", "stage", "rows"), ENGINE_NAMES, ServedDivergence, _match_engine,
+         place=lambda e: f"round {e.round}, step {e.step} `{e.stage}` ({e.rows})",
+         cell=lambda e: f"served: round {e.round}, step {e.step} `{e.stage}` ({e.id})", rank=FORWARD,
+         validate=_check_engine, engine=True),
 )}

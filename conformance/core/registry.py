@@ -58,6 +58,8 @@ class Known:
     fix: str | None = None         # reading: the key to write so that every implementation reads it alike
     source: str | None = None      # reading: "observed" (default) or "read from code"
     asserted: bool = False     # settings: known from its condition alone, not observed (areas.ASSERTED)
+    round: int | None = None   # engine: the served round of the first divergence
+    rows: str | None = None    # engine: the rows of that pass that differ (areas.ROW_SIGNATURES)
     neutral: tuple[tuple[str, str], ...] = ()   # (knob or server flag, expression over the names), sorted
     neutral_weights: tuple[str, ...] = ()       # stored tensor names (regexes, searched) set to ones instead
 
@@ -74,7 +76,7 @@ class Known:
     def version_holds(self) -> bool:
         # An implementation that is not installed has no known behaviour: its tests then fail on the
         # import, which names the missing package, instead of passing as expected failures.
-        version = installed_version(self.impl)
+        version = installed_version(self.impl, AREAS[self.area].engine)
         return version is not None and version in SpecifierSet(self.versions)
 
     def applies(self, names: Mapping[str, object]) -> bool:
@@ -95,13 +97,19 @@ def _compiled(condition: str, area: str):
 # The implementations under test, each with how it reads its installed version (None: not installed). The adapters
 # give them (conformance/adapters/__init__.py calls use_implementations), so this ground floor imports no adapter.
 _IMPLEMENTATIONS: dict[str, Callable[[], str | None]] = {}
+# The version of each implementation's serving engine, where it is not the implementation's own (areas.Area.engine).
+_ENGINES: dict[str, Callable[[], str | None]] = {}
 
 
-def use_implementations(versions: Mapping[str, Callable[[], str | None]]) -> None:
-    """Name the implementations under test (the reference, which has no package and no entries, is left out) and
-    check every entry's `impl` against them: RegistryError naming the entry and the field."""
+def use_implementations(versions: Mapping[str, Callable[[], str | None]],
+                        engines: Mapping[str, Callable[[], str | None]] | None = None) -> None:
+    """Name the implementations under test (the reference, which has no package and no entries, is left out), and
+    the version readers of the serving engines that run another build than the implementation's own (`engines`),
+    and check every entry's `impl` against them: RegistryError naming the entry and the field."""
     _IMPLEMENTATIONS.clear()
     _IMPLEMENTATIONS.update(versions)
+    _ENGINES.clear()
+    _ENGINES.update(engines or {})
     installed_version.cache_clear()
     for n, entry in enumerate(REGISTRY, 1):
         _check_impl(entry.impl, f"{REGISTRY_FILE.name}: entry #{n} ({entry.id})")
@@ -113,9 +121,12 @@ def _check_impl(impl: str, where: str) -> None:
 
 
 @cache
-def installed_version(impl: str) -> str | None:
+def installed_version(impl: str, engine: bool = False) -> str | None:
+    """`impl`'s installed version; `engine`: the version its serving engine runs (its own build, where it has one)."""
     if not _IMPLEMENTATIONS:   # a caller that never imported conformance.adapters: no entry could hold, loudly
         raise RegistryError("registry: no implementations given (import conformance.adapters first)")
+    if engine and impl in _ENGINES:
+        return _ENGINES[impl]()
     return _IMPLEMENTATIONS[impl]() if impl in _IMPLEMENTATIONS else None
 
 
@@ -135,8 +146,8 @@ def _check(item: dict, area: str, where: str) -> None:
         elif field == "neutral_weights" and field in item and not (
                 isinstance(value, list) and value and all(isinstance(t, str) for t in value) and "neutral" not in item):
             bad(field, f"{value!r} is not a non-empty list of tensor-name patterns (and not beside 'neutral')")
-        elif field not in ("step", "tensors", "neutral", "neutral_weights", "asserted") and field in item and not \
-                isinstance(value, str):
+        elif field not in ("step", "round", "tensors", "neutral", "neutral_weights", "asserted") and \
+                field in item and not isinstance(value, str):
             bad(field, f"{value!r} is not a string")
     if _IMPLEMENTATIONS:   # the registry read at import is checked when the adapters name them (use_implementations)
         _check_impl(item["impl"], where)

@@ -11,8 +11,8 @@ PASS, KNOWN, FAIL = "pass", "known divergence", "FAIL"   # the outcomes of a com
 # The engine lane's accept-length bridge (conformance/engine/bridge.py): its section, chart and plotted columns.
 ACCEPT_SECTION = "engine: training accuracy to measured accept length"
 ACCEPT_CHART_FILE = "accept_length.png"
-ACCEPT_COLUMNS = ("predicted (the trainer's full_acc, all held-out rows)", "SGLang measured (meta_info)",
-                  "simulated (reference, same requests)", "SGLang per verify round (histogram)",
+ACCEPT_COLUMNS = ("predicted (the trainer's full_acc, all held-out rows)", "measured (the server's own counters)",
+                  "simulated (reference, same requests)", "per verify round (the server's accepted drafts)",
                   "training's scores at the engine's rounds")
 
 
@@ -48,7 +48,7 @@ class Section(StrEnum):
     ACCEPT_PLANTED = "accept length: planted faults"
     # SGLang's serving engine (conformance/engine)
     ENGINE = "engine: served vs reference, per request"
-    ENGINE_SERVERS = "engine: server arguments as SGLang resolved them"   # their timings: Recorder.add_timing
+    ENGINE_SERVERS = "engine: server arguments as each server resolved them"   # their timings: Recorder.add_timing
     ENGINE_SHIMS = "engine: scheduler-process shims"
     ENGINE_TREE = "engine: tree rounds vs the exact tree"
     ENGINE_FAULTS = "engine: planted serving faults"

@@ -1,21 +1,63 @@
-"""The engine lane's report rows (conformance/core/sections.py Section.ENGINE*)."""
+"""The engine lanes' report rows (conformance/core/sections.py Section.ENGINE*): SGLang's engine lane and an engine
+lane of a server in an environment of its own (vLLM's, conformance/engine/test_vllm_engine.py) write the same
+columns in the same order (server_row, request_row), so that their rows sit side by side in one table."""
 from __future__ import annotations
 
+import torch
+
+from conformance.adapters import ADAPTERS, DEFAULT_SERVER
 from conformance.core.sections import Recorder, Section
 from conformance.engine.findings import RequestFinding
 from conformance.engine.lane import ENGINE, GroupRun
 
+# Section.ENGINE_SERVERS: one row per engine started. "overlap schedule off": SGLang's overlap scheduler, vLLM's
+# async scheduling (each off here, so that the rounds are observed in order).
+SERVER_COLUMNS = ("engine", "requested (steps/topk/draft tokens)", "resolved (steps/topk/draft tokens)",
+                  "chunked prefill", "overlap schedule off", "radix cache off", "attention", "page size", "versions",
+                  "planted", "error")
+# Section.ENGINE: one row per served request; each server's accept length as it defines it (the accept-length
+# table says how: bridge.AcceptRow.measured_as), the reference's the same quotient of its rounds.
+REQUEST_COLUMNS = ("server", "scenario", "request", "cached tokens", "verify ct served/ref", "histogram served",
+                   "histogram ref", "accept length served", "accept length ref", "lossless", "rounds conforming",
+                   "first divergence")
+
+
+# Section.ENGINE_FAULTS: one row per planted serving fault (conformance/engine/faults.py, engine_capture.FAULTS).
+FAULT_COLUMNS = ("server", "fault", "how", "lane failures", "first divergence", "expected", "lossless",
+                 "accept length served/ref")
+
+
+def _row(columns: tuple[str, ...], values: dict) -> dict:
+    if unknown := set(values) - set(columns):
+        raise ValueError(f"engine report row: unknown columns {sorted(unknown)} (reporting.py {columns})")
+    return {c: values.get(c) for c in columns}
+
+
+def server_row(values: dict) -> dict:
+    """A Section.ENGINE_SERVERS row: every column of SERVER_COLUMNS, in its order."""
+    return _row(SERVER_COLUMNS, values)
+
+
+def request_row(values: dict) -> dict:
+    """A Section.ENGINE row: every column of REQUEST_COLUMNS, in its order."""
+    return _row(REQUEST_COLUMNS, values)
+
+
+def fault_row(values: dict) -> dict:
+    """A Section.ENGINE_FAULTS row: every column of FAULT_COLUMNS, in its order."""
+    return _row(FAULT_COLUMNS, values)
+
 
 def record_group(report: Recorder, run: GroupRun, recorded: set) -> None:
-    """Once per engine: the server arguments requested and as SGLang resolved them, the timings (apart: they
-    vary run to run, so they are not part of the report), and (once
-    per session) the shims with what each changes and what the scheduler process reported doing."""
+    """Once per engine: the server arguments requested and as SGLang resolved them (server_row), the timings
+    (apart: they vary run to run, so they are not part of the report), and (once per session) the shims with
+    what each changes and what the scheduler process reported doing."""
     if run.group.id in recorded:
         return
     recorded.add(run.group.id)
     resolved = run.resolved
-    report.add_row(Section.ENGINE_SERVERS, {
-        "engine": run.group.id,
+    report.add_row(Section.ENGINE_SERVERS, server_row({
+        "engine": f"{ENGINE.NAME} {run.group.id}",
         "requested (steps/topk/draft tokens)": f"{run.group.steps}/{run.group.topk}/{run.group.draft_tokens}",
         "resolved (steps/topk/draft tokens)": "/".join(str(resolved.get(k)) for k in (
             "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")),
@@ -24,8 +66,9 @@ def record_group(report: Recorder, run: GroupRun, recorded: set) -> None:
         "attention": resolved.get("attention_backend"), "page size": resolved.get("page_size"),
         "planted": ", ".join(f"{k}={v}" for k, v in run.group.env.items()) or (
             "source_patcher config" if run.group.fault_yaml else ""),
-        "error": run.error or ""})
-    report.add_timing({"engine": run.group.id, "engine start s": round(run.start_seconds, 1),
+        "versions": f"{ENGINE.NAME} {ADAPTERS[DEFAULT_SERVER].version()}, torch {torch.__version__}",
+        "error": run.error or ""}))
+    report.add_timing({"engine": f"{ENGINE.NAME} {run.group.id}", "engine start s": round(run.start_seconds, 1),
                        "serving s": {s.scenario.id: round(s.seconds, 1) for s in run.scenarios.values()}})
     if "shims" not in recorded and run.shims:
         recorded.add("shims")
@@ -38,7 +81,7 @@ def record_request(report: Recorder, scenario_id: str, finding: RequestFinding, 
     served, ref = finding.served_stats, finding.reference_stats(new_tokens)
     first = None if finding.divergence is None else finding.divergence.first_divergence
     meta = finding.request.served.meta
-    report.add_row(Section.ENGINE, {
+    report.add_row(Section.ENGINE, request_row({
         "server": f"{ENGINE.NAME} engine", "scenario": scenario_id, "request": finding.request.label,
         "cached tokens": meta.get("cached_tokens"),
         "verify ct served/ref": f"{served['verify_ct']}/{ref['verify_ct']}",
@@ -47,7 +90,7 @@ def record_request(report: Recorder, scenario_id: str, finding: RequestFinding, 
         "lossless": finding.lossless_failure() is None,
         "rounds conforming": f"{finding.conforming_rounds}/{len(finding.request.rounds)}",
         "first divergence": "none" if first is None else
-        f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`"})
+        f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`"}))
 
 
 def record_accept_rows(report: Recorder, rows: dict, recorded: set, trainer: str | None = None) -> None:
@@ -58,3 +101,48 @@ def record_accept_rows(report: Recorder, rows: dict, recorded: set, trainer: str
     recorded.add("accept rows")
     for row in rows.values():
         report.add_row(Section.ENGINE_ACCEPT, ({"trainer": trainer} if trainer else {}) | row.report_row())
+
+
+def record_served_group(report: Recorder, run, lane) -> None:
+    """Once per engine of a served lane (served_lane.ServedLane: vLLM's), in SGLang's columns (server_row): the
+    server arguments as the engine resolved them, what served (versions), and its timings apart."""
+    if run.group.id in lane.recorded:
+        return
+    lane.recorded.add(run.group.id)
+    r = run.resolved
+    report.add_row(Section.ENGINE_SERVERS, server_row({
+        "engine": f"{lane.engine.NAME} {run.group.id}",
+        "requested (steps/topk/draft tokens)": f"{run.group.K}/1/{run.group.K + 1}",
+        "resolved (steps/topk/draft tokens)": f"{r.get('num_speculative_tokens')}/1/"
+                                              f"{(r.get('num_speculative_tokens') or 0) + 1}",
+        "chunked prefill": r.get("long_prefill_token_threshold") or r.get("chunked prefill"),
+        "overlap schedule off": None if "async scheduling" not in r else not r["async scheduling"],
+        "radix cache off": not r.get("prefix caching", True), "attention": r.get("attention backend"),
+        "page size": r.get("block size"), "planted": run.planted or "",
+        "versions": f"{lane.engine.PACKAGE} {r.get(lane.engine.NAME)}, torch {r.get('torch')}, {r.get('model runner')}",
+        "error": run.error or ""}))
+    report.add_timing({"engine": f"{lane.engine.NAME} {run.group.id}", "engine start s": round(run.start_seconds, 1),
+                       "serving s": {s.scenario.id: round(s.seconds, 1) for s in run.scenarios.values()}})
+
+
+def record_served_request(report: Recorder, lane, scenario_id: str, f) -> None:
+    """Once per request of a served lane, in SGLang's columns (request_row): the server's own counts (its
+    per-request spec-decode metrics) next to the reference's, and where its rounds first leave it."""
+    if ("request", scenario_id, f.request.label) in lane.recorded:
+        return
+    lane.recorded.add(("request", scenario_id, f.request.label))
+    m = f.request.served.meta.get("spec_decode") or {}
+    first = None if f.divergence is None else f.divergence.first_divergence
+    accepted = f.reference_accepted
+    report.add_row(Section.ENGINE, request_row({
+        "server": f"{lane.engine.NAME} engine", "scenario": scenario_id, "request": f.request.label,
+        "cached tokens": f.request.served.meta.get("num_cached_tokens"),
+        "verify ct served/ref": f"{m.get('num_spec_steps')}/{len(accepted)}",
+        "histogram served": str(m.get("acceptance_histogram")),
+        "histogram ref": str([accepted.count(a) for a in range(f.K + 1)]),
+        "accept length served": m.get("mean_acceptance_length"),
+        "accept length ref": 1 + sum(accepted) / len(accepted) if accepted else None,
+        "lossless": f.lossless_failure() is None,
+        "rounds conforming": f"{f.conforming_rounds}/{len(f.request.rounds)}",
+        "first divergence": "none" if first is None else
+        f"round {f.conforming_rounds}, step {first.step} `{first.stage}`"}))

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from conformance.core.rounds import Pass, ServedRound
+# The served pass and round types live on the core floor, so that an adapter's engine (vLLM's, which cuts its own
+# capture into rounds: adapters/vllm/engine.py) builds them without importing this area.
+from conformance.core.served_round import Pass, ServedRound
+
+__all__ = ["EXTEND_MODES", "Pass", "ServedRound", "served_rounds"]
 
 EXTEND_MODES = ("EXTEND", "DRAFT_EXTEND_V2")
 

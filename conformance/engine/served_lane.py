@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 from conformance.acceptance.trained_draft import Recipe, TrainedDraft, trained_draft
+from conformance.core.areas import ROW_SIGNATURES, ServedDivergence
 from conformance.core.compare import Comparison
 from conformance.engine.check import first_divergent_round
 from conformance.engine.lane import EngineLane
@@ -132,6 +133,14 @@ class Finding:
                 f"{served[1]}; the reference simulation {ref[0]}, {ref[1]}; the capture's accepted per round "
                 f"{[r.accepted for r in self.request.rounds]}")
 
+    def observed(self) -> ServedDivergence:
+        """The first divergence as the registry's engine area reads it: its place and the rows that differ."""
+        first = None if self.divergence is None else self.divergence.first_divergence
+        if first is None:
+            return ServedDivergence(None)
+        place = (self.conforming_rounds, first.step, first.stage)
+        return ServedDivergence(place, row_signature(self) if place == (0, 0, "input_ids") else "other")
+
     def rounds_failure(self, repro: str) -> str | None:
         if self.divergence is not None:
             return self.divergence.message(repro)
@@ -139,6 +148,30 @@ class Finding:
             return (f"{self.request.label}: the capture holds {len(self.request.rounds)} rounds, the reference "
                     f"{len(self.reference)}; repro: {repro}")
         return None
+
+
+CHUNK_ENDS = ROW_SIGNATURES[0]
+
+
+def chunk_end_rows(f: Finding) -> tuple[list[int], list[int]]:
+    """(the rows of round 0's step 0 whose served ids differ from the reference's, the last rows of its partial
+    prefill chunks where the prompt's last token is another token than the next one)."""
+    prompt = f.request.served.prompt
+    extend = f.request.rounds[0].extend if f.request.rounds else []
+    served_ids = [int(t) for p in extend for t in p.rows["input_ids"]]
+    expected = prompt[1:len(served_ids)] + [f.greedy[0]]
+    wrong = [t for t, (a, b) in enumerate(zip(served_ids, expected)) if a != b]
+    if any(served_ids[t] != prompt[-1] for t in wrong):
+        return wrong, []   # a row served another token than the prompt's last: not the chunk ends' signature
+    ends = [sum(p.width for p in extend[:i + 1]) - 1 for i in range(len(extend) - 1)]
+    return wrong, [t for t in ends if prompt[-1] != prompt[t + 1]]
+
+
+def row_signature(f: Finding) -> str:
+    """CHUNK_ENDS when the rows of round 0's step 0 that differ are exactly the last rows of its partial prefill
+    chunks, each served the prompt's last token; else "other"."""
+    wrong, ends = chunk_end_rows(f)
+    return CHUNK_ENDS if wrong and wrong == ends else "other"
 
 
 def expected_counters(findings: list[Finding], K: int) -> dict:

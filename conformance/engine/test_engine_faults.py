@@ -8,7 +8,8 @@ import pytest
 from conformance.core.sections import Section
 from conformance.engine.faults import CRASH, FAULT_PROMPT, FAULTS
 from conformance.engine.findings import lane_failures, scenario_findings
-from conformance.engine.reporting import record_group
+from conformance.engine.lane import ENGINE
+from conformance.engine.reporting import fault_row, record_group
 from conformance.engine.scenarios import GROUPS
 
 pytestmark = [pytest.mark.engine, pytest.mark.meta]
@@ -34,14 +35,14 @@ def test_planted_serving_fault_fails_the_lane(fault, engine_lane, report, repro)
     failures = lane_failures(engine_lane, run, repro)
     (finding,) = scenario_findings(engine_lane, run, next(iter(run.scenarios.values())))
     first = None if finding.divergence is None else finding.divergence.first_divergence
-    report.add_row(Section.ENGINE_FAULTS, {
-        "fault": fault.id, "how": fault.summary, "lane failures": len(failures),
+    report.add_row(Section.ENGINE_FAULTS, fault_row({
+        "server": f"{ENGINE.NAME} engine", "fault": fault.id, "how": fault.summary, "lane failures": len(failures),
         "first divergence": "none" if first is None else
         f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`",
         "expected": f"round {fault.round}, step {fault.step} `{fault.stage}`",
         "lossless": finding.lossless_failure() is None,
         "accept length served/ref": f"{finding.served_stats['accept_length']:.4g}/"
-                                    f"{finding.reference_stats(fault.group.scenarios[0].new_tokens)['accept_length']:.4g}"})
+                                    f"{finding.reference_stats(fault.group.scenarios[0].new_tokens)['accept_length']:.4g}"}))
     assert failures, f"{fault.id}: the engine lane passed with the fault planted ({fault.summary})"
     assert first is not None, f"{fault.id}: no round diverged; the lane failed only on: {failures}"
     got = (finding.conforming_rounds, first.step, first.stage)

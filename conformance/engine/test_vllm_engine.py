@@ -6,11 +6,17 @@ the reference exactly: outputs, vLLM's own spec-decode counters, and every round
 """
 from __future__ import annotations
 
+import dataclasses
+from fractions import Fraction
+
 import pytest
 
 from conformance.adapters import ADAPTERS
-from conformance.core.registry import REGISTRY
-from conformance.core.sections import Section
+from conformance.core.areas import ENGINE as ENGINE_AREA
+from conformance.core.matching import KnownDivergenceHit, judge, settle
+from conformance.core.registry import REGISTRY, applicable
+from conformance.engine.bridge import bridge_failures, bridge_groups, served_accept_rows
+from conformance.engine.reporting import record_accept_rows, record_served_group, record_served_request
 from conformance.engine.served_lane import GROUPS, ServedGroup
 from conformance.engine.scenarios import Prompt, Scenario
 
@@ -32,53 +38,14 @@ SHALLOWER = next(e for e in REGISTRY if e.id == "vllm-wiring-sglang-ids-one-shal
 
 def served(lane, group: ServedGroup, scenario: Scenario, report):
     run = lane.run(group)
-    record_group(report, run, lane)
+    record_served_group(report, run, lane)
     if run.error:
         pytest.fail(run.error, pytrace=False)
     scenario_run = run.scenarios[scenario.id]
     findings = lane.findings(run, scenario_run)
     for f in findings:
-        record_request(report, lane, scenario.id, f)
+        record_served_request(report, lane, scenario.id, f)
     return run, scenario_run, findings
-
-
-def record_group(report, run, lane) -> None:
-    if run.group.id in lane.recorded:
-        return
-    lane.recorded.add(run.group.id)
-    r = run.resolved
-    report.add_row(Section.ENGINE_SERVERS, {
-        "engine": f"vllm {run.group.id}", "requested (steps/topk/draft tokens)": f"{run.group.K}/1/{run.group.K + 1}",
-        "resolved (steps/topk/draft tokens)": f"{r.get('num_speculative_tokens')}/1/"
-                                              f"{(r.get('num_speculative_tokens') or 0) + 1}",
-        "chunked prefill": r.get("long_prefill_token_threshold") or r.get("chunked prefill"),
-        "radix cache off": not r.get("prefix caching", True), "attention": r.get("attention backend"),
-        "page size": r.get("block size"), "planted": run.planted or "",
-        "versions": f"vllm {r.get('vllm')} (CPU build), torch {r.get('torch')}, {r.get('model runner')}",
-        "error": run.error or ""})
-    report.add_timing({"engine": f"vllm {run.group.id}", "engine start s": round(run.start_seconds, 1),
-                       "serving s": {s.scenario.id: round(s.seconds, 1) for s in run.scenarios.values()}})
-
-
-def record_request(report, lane, scenario_id, f) -> None:
-    if ("request", scenario_id, f.request.label) in lane.recorded:
-        return
-    lane.recorded.add(("request", scenario_id, f.request.label))
-    m = f.request.served.meta.get("spec_decode") or {}
-    first = None if f.divergence is None else f.divergence.first_divergence
-    accepted = f.reference_accepted
-    report.add_row(Section.ENGINE, {
-        "server": "vllm engine", "scenario": scenario_id, "request": f.request.label,
-        "cached tokens": f.request.served.meta.get("num_cached_tokens"),
-        "verify ct served/ref": f"{m.get('num_spec_steps')}/{len(accepted)}",
-        "histogram served": str(m.get("acceptance_histogram")),
-        "histogram ref": str([accepted.count(a) for a in range(f.K + 1)]),
-        "accept length served": m.get("mean_acceptance_length"),
-        "accept length ref": 1 + sum(accepted) / len(accepted) if accepted else None,
-        "lossless": f.lossless_failure() is None,
-        "rounds conforming": f"{f.conforming_rounds}/{len(f.request.rounds)}",
-        "first divergence": "none" if first is None else
-        f"round {f.conforming_rounds}, step {first.step} `{first.stage}`"})
 
 
 @pytest.mark.parametrize("group,scenario", ALL)
@@ -101,51 +68,34 @@ def test_vllm_spec_decode_counters_equal_reference(group, scenario, vllm_engine,
     assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
 
 
+def known_engine_entries(group: ServedGroup) -> tuple:
+    """The registry's engine entries for this served group (its version: the vLLM build the engine ran)."""
+    names = {"K": group.K, "chunked_prefill": group.long_prefill_token_threshold is not None, "prefix_caching": True,
+             "format": group.checkpoint_format, "layers": group.layers, "runner": "v1"}
+    return applicable("engine", ENGINE.NAME, names)
+
+
 @pytest.mark.parametrize("group,scenario", CONFORMING)
-def test_served_rounds_equal_reference_stage_by_stage(group, scenario, vllm_engine, report, repro):
+def test_served_rounds_equal_reference_stage_by_stage(group, scenario, vllm_engine, report, repro, request):
     """Every round of every request: the positions of each draft pass, the hand-off (the target's aux states and
     the ids step 0 embeds, the recurrent hidden at steps >= 1), every draft stage, the drafted tokens and the
-    accepted drafts equal the reference's on the same context. Chunked prefill: an xfail only at exactly the place
-    and signature of the backup-token finding (chunk_backup_token)."""
+    accepted drafts equal the reference's on the same context. Where a registry engine entry applies (chunked
+    prefill: vllm-engine-chunk-end-embeds-prompts-last-token) the test is a strict xfail that only a divergence at
+    its exact round, step, stage and rows satisfies, in every request that diverges."""
+    known = known_engine_entries(group)
+    if known:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=KnownDivergenceHit,
+                                              reason="; ".join(e.describe() for e in known)))
     _, _, findings = served(vllm_engine, group, scenario, report)
-    failures = [m for f in findings if (m := f.rounds_failure(repro))]
-    if failures and group.long_prefill_token_threshold:
-        if why := chunk_backup_token(findings):
-            pytest.xfail(f"{why}\n{failures[0].splitlines()[0]}")
-    assert not failures, "\n\n".join(failures)
-
-
-# Not (yet) a registry entry: the registry's areas hold the model-level and wiring findings of vLLM 0.33.0, none of an
-# engine; this lane's one finding on vLLM 0.32.0's engine is matched here by its exact place and signature.
-BACKUP_TOKEN = ("vLLM drafts a partial prefill chunk's last row with the prompt's last token: "
-                "EagleProposer.prepare_next_token_ids_padded takes a discarded request's next token from "
-                "request.get_token_id(num_tokens_no_spec - 1) (vllm/v1/spec_decode/llm_base_proposer.py:1062-1067), "
-                "the whole prompt's last token, not the token after the chunk; the draft's KV at that position "
-                "keeps it")
-
-
-def chunk_backup_token(findings) -> str | None:
-    """The finding, when every request's first divergence is round 0, step 0 `input_ids` and the rows of round 0's
-    step 0 whose served ids differ from the reference's are exactly the last rows of its partial prefill chunks
-    (where the prompt's last token is another token than the next one), each served with the prompt's last token."""
-    seen = []
-    for f in findings:
-        first = None if f.divergence is None else f.divergence.first_divergence
-        prompt = f.request.served.prompt
-        extend = f.request.rounds[0].extend if f.request.rounds else []
-        served_ids = [int(t) for p in extend for t in p.rows["input_ids"]]
-        expected = prompt[1:len(served_ids)] + [f.greedy[0]]
-        wrong = [t for t, (a, b) in enumerate(zip(served_ids, expected)) if a != b]
-        ends = [sum(p.width for p in extend[:i + 1]) - 1 for i in range(len(extend) - 1)]
-        predicted = [t for t in ends if prompt[-1] != prompt[t + 1]]
-        if wrong != predicted or any(served_ids[t] != prompt[-1] for t in wrong):
-            return None
-        place = None if first is None else (f.conforming_rounds, first.step, first.stage)
-        if place != ((0, 0, "input_ids") if wrong else None):
-            return None
-        seen.append(f"{f.request.label}: rows {wrong} served token {prompt[-1]} (the prompt's last), expected "
-                    f"{[prompt[t + 1] for t in wrong]}")
-    return BACKUP_TOKEN + "; " + "; ".join(seen) if any("rows []" not in s for s in seen) else None
+    failures = [(f, m) for f in findings if (m := f.rounds_failure(repro))]
+    if not failures:
+        return
+    matches = [judge(ENGINE_AREA, known, f.observed()) for f, _ in failures]
+    unexplained = [u for m in matches for u in m.unexplained]
+    message = "\n\n".join(m for _, m in failures)
+    if unexplained or not all(m.explained for m in matches):
+        raise AssertionError(message + (f"\n  not explained by the registry: {unexplained}" if known else ""))
+    settle(message, matches[0].hits)
 
 
 @pytest.mark.parametrize("group,scenario", [p for p in ALL if p.values[0].checkpoint_format == "sglang"])
@@ -210,7 +160,7 @@ def test_prefix_hit_drafts_equal_the_cold_run(group, scenario, vllm_engine, repo
 def test_engine_runs_vllms_cpu_build(vllm_engine, report):
     """What served: vLLM's CPU build with its CPU_ATTN kernel and no shim, the V1 CPU model runner, EagleProposer."""
     run = vllm_engine.run(GROUPS[0])
-    record_group(report, run, vllm_engine)
+    record_served_group(report, run, vllm_engine)
     assert not run.error, run.error
     r = run.resolved
     assert (r["attention backend"], r["proposer"], r["draft class"], r["V2 model runner"]) == (
@@ -230,16 +180,61 @@ def test_v2_model_runner_needs_triton_cpu(vllm_engine):
 
 @pytest.mark.meta
 @pytest.mark.parametrize("group,scenario", [p for p in ALL if p.values[0].long_prefill_token_threshold])
-def test_backup_token_match_is_exact(group, scenario, vllm_engine, report):
-    """Meta: the chunked-prefill xfail holds only at its exact rows and signature: the same findings with one more
-    step-0 id changed (another row), or with the partial chunk's row served its right token, are not it."""
+def test_chunk_end_entry_matches_only_its_rows(group, scenario, vllm_engine, report):
+    """Meta: the chunked-prefill entry holds only at its exact rows: the same findings with one more step-0 id
+    changed (another row), or with the partial chunk's row served its right token, are not it."""
     import copy
 
     _, _, findings = served(vllm_engine, group, scenario, report)
-    assert chunk_backup_token(findings), "the unplanted findings must show the backup-token signature"
+    known = known_engine_entries(group)
+    diverged = [f for f in findings if f.divergence is not None]
+    assert known and diverged and all(judge(ENGINE_AREA, known, f.observed()).explained for f in diverged), (
+        "the unplanted findings must show the registered chunk-end signature", [f.observed() for f in findings])
     for plant in ("another row", "the right token"):
-        planted = copy.deepcopy(findings)
-        first = planted[0].request.rounds[0].extend[0].rows["input_ids"]
-        row = 0 if plant == "another row" else len(first) - 1
-        first[row] = (first[row] + 1) % 97 if plant == "another row" else planted[0].request.served.prompt[len(first)]
-        assert chunk_backup_token(planted) is None, f"planted {plant}: still taken for the backup-token finding"
+        planted = copy.deepcopy(diverged[0])
+        ids = planted.request.rounds[0].extend[0].rows["input_ids"]
+        row = 0 if plant == "another row" else len(ids) - 1
+        ids[row] = (ids[row] + 1) % 97 if plant == "another row" else planted.request.served.prompt[len(ids)]
+        assert not judge(ENGINE_AREA, known, planted.observed()).explained, (
+            f"planted {plant}: still taken for the chunk-end entry ({planted.observed()})")
+
+
+@pytest.fixture(scope="module")
+def prediction(vllm_engine):
+    """speculators' prediction of the lane's trained 1-layer draft (its training forward and metrics on every
+    held-out sequence: conformance/acceptance/acceptance.py)."""
+    from conformance.acceptance.acceptance import speculators_prediction
+
+    vllm_engine.reference(1)
+    return speculators_prediction(vllm_engine.trained[1])
+
+
+def test_training_accuracy_to_measured_accept_length(vllm_engine, prediction, report, repro):
+    """Per chain K, speculators' predicted accept length next to the one vLLM's engine measured (its own
+    spec-decode counters) and the reference's simulation of the same requests (the report's accept-length table
+    and accept_length.png, beside SGLang's rows). vLLM's figure equals the simulation's exactly, and speculators'
+    per-row training scores at the engine's own rounds give it exactly; the prediction over all held-out rows is
+    shown beside them, not asserted (other rows). The bridge reads the groups of the speculators-format 1-layer
+    draft and their scenarios within the held-out rows (bridge.bridge_scenarios)."""
+    rows = served_accept_rows(vllm_engine, prediction)
+    record_accept_rows(report, rows, vllm_engine.recorded)
+    failures = bridge_failures(rows, {g.K for g in bridge_groups()})
+    assert not failures, "vllm engine vs reference [accept length per K, fp32]:\n  " + "\n  ".join(failures) + (
+        f"\n  repro: {repro}")
+
+
+@pytest.mark.meta
+def test_accept_length_check_fails_on_a_mismatched_row(vllm_engine, prediction):
+    """Meta: the bridge's check catches a planted mismatch in each column it holds exact, and a missing K."""
+    rows = served_accept_rows(vllm_engine, prediction)
+    ks = {g.K for g in bridge_groups()}
+    assert rows and not bridge_failures(rows, ks), "the unplanted rows must pass (see the test above)"
+    K = max(rows)
+    row = rows[K]
+    plants = {"measured": dataclasses.replace(row, measured=row.measured + Fraction(1, row.rounds)),
+              "training's rows": dataclasses.replace(row, trained_rows=row.per_round - Fraction(1, row.rounds))}
+    for what, planted in plants.items():
+        failures = bridge_failures({**rows, K: planted}, ks)
+        assert len(failures) == 1 and failures[0].startswith(f"K = {K} "), f"planted {what}: {failures}"
+    missing = bridge_failures({k: v for k, v in rows.items() if k != K}, ks)
+    assert missing == [f"K = {K}: no accept-length row (the engine at K = {K} did not serve)"], missing

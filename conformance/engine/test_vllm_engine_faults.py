@@ -11,6 +11,7 @@ import pytest
 from conformance.adapters import ADAPTERS
 from conformance.core.sections import Section
 from conformance.engine.scenarios import Prompt, Scenario
+from conformance.engine.reporting import fault_row
 from conformance.engine.served_lane import GROUPS, ServedGroup
 
 ENGINE = ADAPTERS["vllm"].engine
@@ -70,14 +71,15 @@ def test_planted_serving_fault_fails_the_lane(fault, unfaulted, vllm_engine, rep
     first = None if finding.divergence is None else finding.divergence.first_divergence
     m = finding.request.served.meta.get("spec_decode") or {}
     accepted = finding.reference_accepted
-    report.add_row(Section.ENGINE_FAULTS, {
-        "fault": f"vllm {fault.id}", "how": f"{fault.summary} ({run.planted})", "lane failures": len(failures),
+    report.add_row(Section.ENGINE_FAULTS, fault_row({
+        "server": f"{ENGINE.NAME} engine", "fault": fault.id, "how": f"{fault.summary} ({run.planted})",
+        "lane failures": len(failures),
         "first divergence": "none" if first is None else
         f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`",
         "expected": f"round {fault.round}, step {fault.step} `{fault.stage}`",
         "lossless": finding.lossless_failure() is None,
         "accept length served/ref": f"{m.get('mean_acceptance_length', 0):.4g}/"
-                                    f"{1 + sum(accepted) / len(accepted):.4g}"})
+                                    f"{1 + sum(accepted) / len(accepted):.4g}"}))
     assert failures, f"{fault.id}: the vLLM engine lane passed with the fault planted ({fault.summary})"
     assert first is not None, f"{fault.id}: no round diverged; the lane failed only on: {failures}"
     got = (finding.conforming_rounds, first.step, first.stage)

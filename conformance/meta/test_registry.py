@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.specifiers import SpecifierSet
 
 import conformance.core.registry as registry
 from conformance.adapters import ADAPTERS
 from conformance.session.harness import LoadFailed, assert_conforms, compare_with_reference, conformance_params
-from conformance.core.areas import deciding
+from conformance.core.areas import ServedDivergence, deciding
 from conformance.core.matching import (
-    KnownDivergenceHit, accounting_problems, match_load, match_wiring, settle_accounting,
+    KnownDivergenceHit, accounting_problems, judge, match_load, match_wiring, settle_accounting,
 )
 from conformance.core.registry import REGISTRY, Known, RegistryError, for_accounting, for_case, load_registry
 from conformance.session.report import Report
@@ -36,6 +37,11 @@ def entries(*areas: str) -> list[Known]:
     """The entries of `areas` whose range holds for the installed release: one of another release only shows
     there (the version matrix runs that release, conformance/versions; its cases are strict xfails there)."""
     return [e for e in REGISTRY if e.area in areas and e.version_holds()]
+
+
+def entries_of_area(area: str) -> list[Known]:
+    """Every entry of `area`, whatever its range: how an entry matches does not depend on what is installed."""
+    return [e for e in REGISTRY if e.area == area]
 
 
 def by_id(entry: Known) -> str:
@@ -429,12 +435,18 @@ ENTRY = 'id="x"\nimpl="sglang"\nversions="==0.5.23"\nreason="r"\n'
     ('[[known]]\narea="settings"\n' + ENTRY + 'when="mlp_bias"\nsetting="speculative_nonsense"\n', "setting"),
     ('[[known]]\narea="settings"\n' + ENTRY + 'when="mlp_bias"\nsetting="lm_head"\nshown_by="nothing"\n', "shown_by"),
     ('[[known]]\narea="settings"\n' + ENTRY + 'when="mlp_bias"\nsetting="lm_head"\nasserted="yes"\n', "asserted"),
+    ('[[known]]\narea="engine"\n' + ENTRY + 'when="chunked_prefill"\nround=0\nstep=0\nstage="input_ids"\n'
+     'rows="some rows"\n', "rows"),
+    ('[[known]]\narea="engine"\n' + ENTRY + 'when="chunked_prefill"\nround="first"\nstep=0\nstage="input_ids"\n'
+     'rows="partial chunk ends embed the prompt\'s last token"\n', "round"),
+    ('[[known]]\narea="engine"\n' + ENTRY + 'when="mlp_bias"\nround=0\nstep=0\nstage="input_ids"\n'
+     'rows="partial chunk ends embed the prompt\'s last token"\n', "mlp_bias"),
     ('[[divergence]]\n' + ENTRY, "[[known]]"),
     ('[[known]\n', "not valid TOML"),
 ], ids=["unknown_knob", "call", "unknown_impl", "unknown_stage", "missing_field", "bad_range", "unknown_area",
         "bad_regex", "bad_kind", "name_of_another_area", "error_kind_without_exception", "exception_on_other_kind",
-        "bad_problem", "no_tensors", "bad_setting", "bad_shown_by", "bad_asserted",
-        "old_table", "bad_toml"])
+        "bad_problem", "no_tensors", "bad_setting", "bad_shown_by", "bad_asserted", "engine_bad_rows",
+        "engine_bad_round", "engine_name_of_another_area", "old_table", "bad_toml"])
 def test_a_malformed_registry_is_a_one_line_error(text, field, tmp_path: Path):
     path = tmp_path / "registry.toml"
     path.write_text(text)
@@ -442,6 +454,38 @@ def test_a_malformed_registry_is_a_one_line_error(text, field, tmp_path: Path):
         load_registry(path)
     message = str(info.value)
     assert "\n" not in message and path.name in message and field in message, message
+
+
+@pytest.mark.parametrize("entry", entries_of_area("engine"), ids=by_id)
+def test_an_engine_entry_matches_only_its_place_and_rows(entry):
+    """An engine entry (its evidence is the engine lane's, e.g. `make vllm-engine`) explains a served divergence at
+    exactly its round, step, stage and rows; another round, step, stage or rows is unexplained, and a request
+    that conformed has nothing to explain."""
+    place = (entry.round, entry.step, entry.stage)
+    assert judge("engine", [entry], ServedDivergence(place, entry.rows)).hits == [entry]
+    others = [ServedDivergence((entry.round + 1, entry.step, entry.stage), entry.rows),
+              ServedDivergence((entry.round, entry.step + 1, entry.stage), entry.rows),
+              ServedDivergence((entry.round, entry.step, "aux_in"), entry.rows), ServedDivergence(place, "other")]
+    for seen in others:
+        found = judge("engine", [entry], seen)
+        assert not found.hits and found.unexplained, (seen, found)
+    assert not judge("engine", [entry], ServedDivergence(None)).explained
+
+
+def test_an_engine_entry_holds_for_the_version_the_engine_ran(monkeypatch):
+    """An engine entry's range is held against the build its engine ran (vLLM's CPU build in its own environment),
+    not the implementation's model-level install: a planted engine version outside the range makes it not apply."""
+    entry = entries_of_area("engine")[0]
+    names = {"K": 2, "chunked_prefill": True, "prefix_caching": True, "format": "speculators", "layers": 1,
+             "runner": "v1"}
+    inside = str(next(iter(SpecifierSet(entry.versions))).version)
+    for version, holds in ((inside, True), ("0.0.1", False)):
+        monkeypatch.setitem(registry._ENGINES, entry.impl, lambda v=version: v)
+        registry.installed_version.cache_clear()
+        try:
+            assert (entry in registry.applicable("engine", entry.impl, names)) is holds, (version, entry.versions)
+        finally:
+            registry.installed_version.cache_clear()
 
 
 def test_readme_support_matrix_is_current():

@@ -4,9 +4,10 @@ Planted harness faults in the worker must show as a divergence at attention, whe
 shim writing each row one slot on, and requests given vLLM's null block 0 (worker_run.py: tables start at 1).
 The same draft without a plant conforms. These run in the vLLM lane (parametrized with the adapter).
 The lane split itself (conformance/plugin.py own_lanes) runs in the default lane, on stand-in items, and so do
-the checks of the worker's files (worker.py and every file it imports by name, found from its imports): each
-imports only vLLM, torch, safetensors, the standard library and the worker's own files, and each imports alone,
-in a fresh interpreter, with vLLM and the project's packages refused, as worker.py's process would find them.
+the checks of the worker's files (worker.py and every file it imports by name, found from its imports) and of the
+vLLM engine worker's (engine_worker.py and its files): each imports only vLLM, torch, safetensors, the standard
+library and the worker's own files, and each imports alone, in a fresh interpreter, with vLLM and the project's
+packages refused, as its process would find them.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from conformance.adapters import ADAPTERS
+from conformance.adapters.vllm.engine import WORKER as ENGINE_WORKER
 from conformance.adapters.vllm.process import WORKER
 from conformance.core.compare import compare_traces
 from fixtures.cases import CASES_BY_ID
@@ -240,3 +242,44 @@ def test_the_worker_file_checks_catch_planted_imports(tmp_path):
     assert foreign(planted, (tmp_path,)) == []   # the worker's environment has vLLM: only the import alone catches it
     answer = import_alone({planted: (tmp_path,)}, tmp_path)["worker_planted"]
     assert "vllm refused" in answer.get("error", ""), answer
+
+
+# ---------------------------------------------------------------- the engine worker's files (the vLLM engine lane)
+
+# engine_worker.py (vLLM's serving engine, `make vllm-engine`) runs with the engine environment's python (vLLM's CPU
+# build): its own folder on the path, nothing else. It gives the same packages as vLLM's environment.
+ENGINE_PATH = (ENGINE_WORKER.parent,)
+ENGINE_FILES = worker_files(ENGINE_WORKER, ENGINE_PATH)
+
+
+@pytest.mark.parametrize("path", ENGINE_FILES, ids=lambda p: p.name)
+def test_an_engine_worker_file_imports_only_what_its_environment_has(path):
+    assert foreign(path, ENGINE_PATH) == [], (
+        f"{path.name} imports {foreign(path, ENGINE_PATH)}: not in the vLLM engine environment (engine_worker.py)")
+
+
+@pytest.fixture(scope="module")
+def engine_imported_alone(tmp_path_factory):
+    return import_alone({p: ENGINE_PATH for p in ENGINE_FILES}, tmp_path_factory.mktemp("engine-alone"))
+
+
+@pytest.mark.parametrize("path", ENGINE_FILES, ids=lambda p: p.name)
+def test_an_engine_worker_file_imports_alone_without_vllm_or_the_project(path, engine_imported_alone):
+    answer = engine_imported_alone[path.stem]
+    assert "error" not in answer, f"{path.name} does not import alone:\n{answer['error']}"
+    assert answer["file"] == str(path), answer   # this file, not a namesake elsewhere on the path
+
+
+def test_the_engine_worker_file_checks_catch_a_planted_import(tmp_path):
+    """The engine worker's own files copied, with a project import planted in engine_capture.py (what the engine
+    worker imports first) and transformers in a function of it: both checks must name it."""
+    for path in ENGINE_FILES:
+        (tmp_path / path.name).write_text(path.read_text())
+    capture = tmp_path / "engine_capture.py"
+    capture.write_text(capture.read_text() + "\nfrom conformance.engine import served  # noqa\n\n\ndef later():\n"
+                       "    import transformers  # noqa\n")
+    copied = worker_files(tmp_path / ENGINE_WORKER.name, (tmp_path,))
+    assert [p.name for p in copied] == [p.name for p in ENGINE_FILES], copied
+    assert foreign(capture, (tmp_path,)) == ["conformance", "transformers"]
+    answer = import_alone({capture: (tmp_path,)}, tmp_path)["engine_capture"]
+    assert "conformance refused" in answer.get("error", ""), answer

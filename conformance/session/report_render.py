@@ -402,11 +402,13 @@ def write_chart(data: dict, path: Path) -> None:
 
 
 def write_accept_chart(data: dict, path: Path) -> None:
-    """A PNG of accept length per chain K from the accept-length section's rows (nothing written when the
-    engine lane did not run): the prediction, SGLang's measurement and the simulation (drawn over it:
-    equal when the engine conforms), and SGLang's per-round figure. Deterministic: no metadata."""
+    """A PNG of accept length per chain K from the accept-length section's rows (nothing written when no engine
+    lane ran), per server (SGLang's engine lane, vLLM's, side by side): the prediction, the server's measurement
+    and the simulation (drawn over it: equal when the engine conforms), and its per-round figure.
+    Deterministic: no metadata."""
     # The default trainer's draft (its rows name no trainer); another trainer's rows are in the table only.
-    rows = sorted((r for r in data["sections"].get(ACCEPT_SECTION, []) if "trainer" not in r), key=lambda r: r["K"])
+    rows = sorted((r for r in data["sections"].get(ACCEPT_SECTION, []) if "trainer" not in r),
+                  key=lambda r: (r.get("server", ""), r["K"]))
     if not rows:
         return
     import matplotlib
@@ -418,17 +420,20 @@ def write_accept_chart(data: dict, path: Path) -> None:
     styles = ((predicted, dict(marker="o", linestyle="-")), (measured, dict(marker="s", linestyle="-", markersize=9)),
               (simulated, dict(marker="x", linestyle="none", markersize=9, color="black", zorder=3)),
               (per_round, dict(marker="^", linestyle="--")))
-    fig = Figure(figsize=(7.0, 4.2), dpi=100)
-    ax = fig.subplots()
-    ks = [r["K"] for r in rows]
-    for column, style in styles:
-        ax.plot(ks, [r[column] for r in rows], label=column, **style)
-    ax.set_xticks(ks)
-    ax.set_xlabel("chain draft steps K")
-    ax.set_ylabel("accept length (tokens per verify round)")
-    ax.set_title("trained tiny draft: predicted vs SGLang engine vs reference simulation", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    servers = list(dict.fromkeys(r.get("server", "") for r in rows))
+    fig = Figure(figsize=(1.0 + 6.0 * len(servers), 4.2), dpi=100)
+    axes = fig.subplots(1, len(servers), sharey=True, squeeze=False)[0]   # one panel per server, side by side
+    for ax, server in zip(axes, servers):
+        mine = [r for r in rows if r.get("server", "") == server]
+        ks = [r["K"] for r in mine]
+        for column, style in styles:
+            ax.plot(ks, [r[column] for r in mine], label=column, **style)
+        ax.set_xticks(ks)
+        ax.set_xlabel("chain draft steps K")
+        ax.set_title(f"trained tiny draft: predicted vs {server} engine vs reference simulation", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    axes[0].set_ylabel("accept length (tokens per verify round)")
     _save_png(fig, path)
 
 

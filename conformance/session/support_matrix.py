@@ -47,8 +47,8 @@ def at_release(impl: str, release: str):
     """The registry evaluated as if `release` of `impl` were installed (the other implementations as they are)."""
     installed = registry.installed_version
 
-    def version(name: str) -> str | None:
-        return release if name == impl else installed(name)
+    def version(name: str, engine: bool = False) -> str | None:   # an engine's own build is as it is
+        return release if name == impl and not engine else installed(name, engine)
 
     with mock.patch.object(registry, "installed_version", version):
         yield

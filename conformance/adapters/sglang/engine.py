@@ -25,6 +25,9 @@ from conformance.adapters.sglang.engine_shims import SHIMS  # noqa: F401  (the e
 
 # Server arguments every engine of the lane gets (greedy fp32 on CPU; SGLang resolves the rest).
 NAME = "sglang"   # the report's server column (conformance/engine/reporting.py)
+# What SGLang's own accept length is (the engine lane's accept-length bridge, conformance/engine/bridge.py).
+ACCEPT_LENGTH = ("completion tokens / verify count (meta_info spec_accept_length: it counts the prefill's token and "
+                 "not the last round's tokens past the length limit)")
 BASE_ARGS = dict(
     speculative_algorithm="EAGLE3", device="cpu", attention_backend="triton", disable_cuda_graph=True,
     tp_size=1, skip_tokenizer_init=True, dtype="float32", max_total_tokens=4096, random_seed=0,

