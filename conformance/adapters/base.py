@@ -169,6 +169,8 @@ class DraftAdapter(Protocol):
                                                    # (adapters/sglang/engine.py, its shims engine_shims.py)
     training: ClassVar[ModuleType | None]          # its own training path: the acceptance area trains its tiny
                                                    # draft with it (adapters/speculators/training.py)
+    tensor_parallel: ClassVar[ModuleType | None]   # its target and draft sharded over ranks, a process each: the
+                                                   # draft area's TP check (adapters/sglang/tensor_parallel.py)
     # default empty: (batch, context) shapes of the benchmark whose timed pass does not compile on a CPU host,
     # each with why (left out of the CPU sweep; not the implementation's maths)
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]]
@@ -225,6 +227,7 @@ class AdapterBase:
     server_settings: ClassVar[ModuleType | None] = None
     engine: ClassVar[ModuleType | None] = None
     training: ClassVar[ModuleType | None] = None
+    tensor_parallel: ClassVar[ModuleType | None] = None
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]] = MappingProxyType({})
 
     @classmethod
