@@ -75,6 +75,10 @@ def weight_disagreements(ranks: list, tp1, digest=_digest) -> list[Disagreement]
     return out
 
 
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
+
+
 def stage_disagreements(ranks: list, head_sharded) -> list[Disagreement]:
     """Across ranks, per round, step and stage in forward order: the aux states received, every stage
     that is not head-sharded, the drafted tokens; each rank against rank 0."""
@@ -87,12 +91,15 @@ def stage_disagreements(ranks: list, head_sharded) -> list[Disagreement]:
             if not torch.equal(mine.aux, base_round.aux):
                 out.append(Disagreement(run.rank, r, 0, "aux states received",
                                         f"{_digest(mine.aux)} here, {_digest(base_round.aux)} on rank {first.rank}"))
-            for k, step in enumerate(base_round.trace.steps):
-                for stage in (s for s in order if s in step and not _sharded(s, head_sharded)):
-                    a, b = mine.trace.steps[k][stage], step[stage]
-                    if a.shape != b.shape or not torch.equal(a, b):
-                        out.append(Disagreement(run.rank, r, k, stage, f"{_digest(a)} here, {_digest(b)} on rank "
-                                                f"{first.rank}"))
+            # The first stage of the round where this rank parts from rank 0 (what follows it inherits it).
+            differ = [(k, stage) for k, step in enumerate(base_round.trace.steps)
+                      for stage in order if stage in step and not _sharded(stage, head_sharded)
+                      and not _equal(mine.trace.steps[k][stage], step[stage])]
+            if differ:
+                k, stage = differ[0]
+                a, b = mine.trace.steps[k][stage], base_round.trace.steps[k][stage]
+                out.append(Disagreement(run.rank, r, k, stage, f"{_digest(a)} here, {_digest(b)} on rank "
+                                        f"{first.rank}; {len(differ) - 1} later stages of the round differ too"))
             if mine.drafted != base_round.drafted:
                 out.append(Disagreement(run.rank, r, None, "drafted tokens",
                                         f"{mine.drafted} here, {base_round.drafted} on rank {first.rank}"))

@@ -36,11 +36,13 @@ def tp_runs(trained_draft, tmp_path_factory):
     def own_embedding(weights):
         weights["embed_tokens.weight"] = weights["embed_tokens.weight"] + noise
 
-    dirs = {fmt: edited_copy(trained_draft.checkpoints[fmt], root / fmt, own_embedding)
-            for fmt in ("sglang", "speculators")}
+    formats = (ADAPTERS[DEFAULT_SERVER].checkpoint_format, ADAPTERS[REFERENCE].checkpoint_format)
+    dirs = {fmt: edited_copy(trained_draft.checkpoints[fmt], root / fmt, own_embedding) for fmt in formats}
     heldout = trained_draft.heldout_ids[SEQ]
     contexts = [heldout[:FIRST + EVERY * r].tolist() for r in range(ROUNDS)]
-    runs = TP.run_worlds(dirs["sglang"], trained_draft.target_dir, trained_draft.recipe.target_id, contexts, STEPS,
+    server = ADAPTERS[DEFAULT_SERVER]
+    runs = TP.run_worlds(server, dirs[server.checkpoint_format], trained_draft.target_dir,
+                         trained_draft.recipe.target_id, contexts, STEPS,
                          (1, 2), list(SCENARIOS), root / "ranks")
     return dirs, runs
 
@@ -49,8 +51,8 @@ def findings(tp_runs, scenario: int) -> list[str]:
     dirs, runs = tp_runs
     tp1, ranks = runs[1][scenario][0], runs[2][scenario]
     reference = ADAPTERS[REFERENCE]()
-    ref32 = reference.load(dirs["speculators"], torch.float32)
-    ref64 = reference.load(dirs["speculators"], torch.float64)
+    ref32 = reference.load(dirs[ADAPTERS[REFERENCE].checkpoint_format], torch.float32)
+    ref64 = reference.load(dirs[ADAPTERS[REFERENCE].checkpoint_format], torch.float64)
 
     def forward(r: int):
         rnd = tp1.rounds[r]

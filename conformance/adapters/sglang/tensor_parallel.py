@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-NO_NCCL = "libnccl-absent-on-this-cpu-host.so"
 RANK_TIMEOUT_S = 600
 # Head-sharded stages: [tokens, heads, head_dim] (split on dim 1) or [tokens, heads * head_dim] (dim -1).
 HEAD_SHARDED = {"q": 1, "k": 1, "v": 1, "q_rot": 1, "k_rot": 1, "attn_core": -1}
@@ -86,9 +85,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worlds(draft_dir: Path, target_dir: Path, target_spec: str, contexts: list[list[int]], steps: int,
+def run_worlds(adapter, draft_dir: Path, target_dir: Path, target_spec: str, contexts: list[list[int]], steps: int,
                tp_sizes: tuple[int, ...], faults: list[RankFault | None], out: Path) -> dict[int, list[list[RankRun]]]:
-    """Every TP size's world with all its ranks, all at once; each rank runs every scenario of `faults`
+    """`adapter`: the adapter class whose `load` each rank runs (its own loader, under the rank's world).
+Every TP size's world with all its ranks, all at once; each rank runs every scenario of `faults`
     (None: no fault; a fault acts on its rank only) on one load. Returns tp size -> per scenario, its
     ranks' runs in rank order. Raises RuntimeError naming the world and rank that failed, SGLang's words."""
     import torch.multiprocessing as mp
@@ -101,8 +101,9 @@ def run_worlds(draft_dir: Path, target_dir: Path, target_spec: str, contexts: li
         for rank in range(tp):
             path = out / f"tp{tp}-rank{rank}.pt"
             path.unlink(missing_ok=True)
-            p = ctx.Process(target=_rank_main, args=(rank, tp, port, str(draft_dir), str(target_dir), target_spec,
-                                                     contexts, steps, faults, str(path)), daemon=True)
+            args = (adapter, rank, tp, port, str(draft_dir), str(target_dir), target_spec, contexts, steps, faults,
+                    str(path))
+            p = ctx.Process(target=_rank_main, args=args, daemon=True)
             p.start()
             procs.append((tp, rank, p, path))
     deadline = time.monotonic() + RANK_TIMEOUT_S
@@ -127,9 +128,9 @@ def run_worlds(draft_dir: Path, target_dir: Path, target_spec: str, contexts: li
     return {tp: [list(per_scenario) for per_scenario in zip(*ranks)] for tp, ranks in results.items()}
 
 
-def _rank_main(rank, tp, port, draft_dir, target_dir, target_spec, contexts, steps, faults, path):
+def _rank_main(adapter, rank, tp, port, draft_dir, target_dir, target_spec, contexts, steps, faults, path):
     try:
-        runs = _rank(rank, tp, port, Path(draft_dir), Path(target_dir), target_spec, contexts, steps, faults)
+        runs = _rank(adapter, rank, tp, port, Path(draft_dir), Path(target_dir), target_spec, contexts, steps, faults)
         torch.save(runs, path)
     except BaseException as exc:   # one line back to the parent: SGLang's own words and where
         last = traceback.extract_tb(exc.__traceback__)[-1]
@@ -140,9 +141,10 @@ def _rank_main(rank, tp, port, draft_dir, target_dir, target_spec, contexts, ste
 
 def _rank_runtime(rank: int, tp: int, port: int) -> dict:
     """SGLang's distributed runtime for this rank (see the module docstring for the two adjustments)."""
-    os.environ["SGLANG_NCCL_SO_PATH"] = NO_NCCL
-    torch.set_num_threads(1)
     from conformance.adapters.sglang import runtime
+
+    os.environ["SGLANG_NCCL_SO_PATH"] = runtime.NO_NCCL
+    torch.set_num_threads(1)
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
@@ -174,19 +176,18 @@ def _shard_dims(model) -> dict[str, int | None]:
     return dims
 
 
-def _rank(rank, tp, port, draft_dir, target_dir, target_spec, contexts, steps, faults) -> list[RankRun]:
+def _rank(adapter, rank, tp, port, draft_dir, target_dir, target_spec, contexts, steps, faults) -> list[RankRun]:
     """This rank's run of every scenario (a fault, or None): loaded once, each fault applied and undone."""
     _rank_runtime(rank, tp, port)
     from safetensors.torch import load_file
     from sglang.srt.distributed.parallel_state import get_tp_group
 
-    from conformance.adapters.sglang.adapter import SGLangAdapter
     from conformance.adapters.sglang.target import AuxIds, load_target, sglang_aux_layer_ids
     from fixtures.targets import TARGETS_BY_ID
 
     target = load_target(TARGETS_BY_ID[target_spec], target_dir, load_file(str(target_dir / "model.safetensors")))
     aux_ids = sglang_aux_layer_ids(draft_dir)
-    loaded = SGLangAdapter().load(draft_dir, torch.float32)
+    loaded = adapter().load(draft_dir, torch.float32)
     draft = loaded.model
     own_embed = draft.model.embed_tokens.weight
     as_loaded = {n: digest(p) for n, p in draft.named_parameters()}
