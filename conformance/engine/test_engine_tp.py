@@ -104,3 +104,21 @@ def test_tp_ranks_agree(group, scenario, engine_lane, report):
         assert other, f"rank {rank} captured no rounds"
         failures += rank_disagreements(rank0, other, rank, head_sharded)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("group,scenario", TP_PARAMS)
+def test_rank_disagreement_is_named(group, scenario, engine_lane, report):
+    """Meta: a rank whose captured round differs from rank 0's in one replicated stage (planted in rank 1's
+    recorded rounds: the second round's step-0 `fc_out` of the first request) fails the check above, named
+    by rank, request, round, step and stage."""
+    from conformance.adapters import ADAPTERS, DEFAULT_SERVER
+
+    served(engine_lane, group, scenario, report)
+    capture = engine_lane.root / group.id
+    rank0 = served_rounds(ENGINE.read_events(capture, 0), group.topk)
+    planted = served_rounds(ENGINE.read_events(capture, 1), group.topk)
+    rid = next(iter(rank0))
+    last = planted[rid][1].extend[-1]
+    last.rows["fc_out"] = last.rows["fc_out"] + 1e-6
+    found = rank_disagreements(rank0, planted, 1, ADAPTERS[DEFAULT_SERVER].tensor_parallel.HEAD_SHARDED)
+    assert found == [f"rank 1, request {rid}, round 1, step 0, stage `fc_out`: differs from rank 0"], found
