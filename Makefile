@@ -63,6 +63,16 @@ lint: venv
 test: venv lint
 	$(PYTEST) $(PARALLEL) -m "cpu or engine"
 
+# The heavy server lanes, never part of `make test` (marker engine_full): tensor parallelism 2 on CPU through
+# SGLang's own distributed code over gloo, the draft forward with its target and draft sharded over two rank
+# processes (conformance/draft/test_tensor_parallel.py, two planted rank faults) and the engine lane's chain
+# at tp_size=2 (conformance/engine/test_engine_tp.py, two scheduler processes). In one process (-n0): the engine
+# lane serves one engine at a time. Measured on the shared 2-core host: 8 tests in 312 s, 8 minutes wall with
+# collection and the report.
+.PHONY: engine-full
+engine-full: venv
+	$(PYTEST) -n0 -m engine_full --report=$(REPORT)/engine-full
+
 # The fuzz campaign's nightly profile (conformance/meta/test_fuzz_inputs.py; `make test` runs its ci profile, 200
 # mutants in process and 10 through real processes): 5,000 random mutants of every input the verdict reads, in
 # process, then 40 of them through real `pytest --draft-checkpoint` / entry-point processes, 4 of those accepted

@@ -184,6 +184,8 @@ class DraftAdapter(Protocol):
     # adapter name: (that directory) -> the directory the server is given, rewritten in place as the helper does;
     # the example generator runs it (adapters/nemo/checkpoint.py prepare_for_sglang, NeMo's serve_sglang)
     prepare_for_server: ClassVar[Mapping[str, Callable[[Path], Path]]]
+    tensor_parallel: ClassVar[ModuleType | None]   # its target and draft sharded over ranks, a process each: the
+                                                   # draft area's TP check (adapters/sglang/tensor_parallel.py)
     # default empty: (batch, context) shapes of the benchmark whose timed pass does not compile on a CPU host,
     # each with why (left out of the CPU sweep; not the implementation's maths)
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]]
@@ -243,6 +245,7 @@ class AdapterBase:
     training_capture: ClassVar[ModuleType | None] = None
     save_checkpoint: ClassVar[Callable[..., Path] | None] = None
     prepare_for_server: ClassVar[Mapping[str, Callable[[Path], Path]]] = MappingProxyType({})
+    tensor_parallel: ClassVar[ModuleType | None] = None
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]] = MappingProxyType({})
 
     @classmethod

@@ -15,7 +15,7 @@ import torch
 
 from conformance.adapters import ADAPTERS, DEFAULT_SERVER, REFERENCE
 from conformance.engine.scenarios import EngineGroup, Prompt, Scenario
-from conformance.engine.served import ServedRound, served_rounds
+from conformance.engine.served import ServedRound, gathered_rounds, served_rounds
 from conformance.engine.simulate import ReferenceRound, chain_rounds, tree_rounds
 from conformance.acceptance.trained_draft import TrainedDraft
 from reference.tree import Attends
@@ -99,6 +99,10 @@ class EngineLane:
             engine.shutdown()
             self._live = None
         rounds = served_rounds(ENGINE.read_events(capture), group.topk)
+        if group.tp_size > 1:   # each rank's draft computed its own heads: the rounds get them all
+            per_rank = [rounds] + [served_rounds(ENGINE.read_events(capture, rank), group.topk)
+                                   for rank in range(1, group.tp_size)]
+            rounds = gathered_rounds(per_rank, ADAPTERS[DEFAULT_SERVER].tensor_parallel.HEAD_SHARDED)
         for scenario, served, seconds in outputs:
             requests = [Request(p, s, rounds.get(s.meta["id"], [])) for p, s in served]
             run.scenarios[scenario.id] = ScenarioRun(scenario, requests, seconds)

@@ -36,6 +36,7 @@ class EngineGroup:
     draft_tokens: int                       # --speculative-num-draft-tokens (as requested)
     scenarios: tuple[Scenario, ...]
     chunked_prefill_size: int | None = None
+    tp_size: int = 1                                # --tp-size: ranks, a scheduler process each
     env: dict = field(default_factory=dict)         # SGLang's own debug switches (planted faults)
     fault_yaml: str | None = None                   # a source_patcher config (planted faults)
 
@@ -44,6 +45,8 @@ class EngineGroup:
                     speculative_num_draft_tokens=self.draft_tokens)
         if self.chunked_prefill_size:
             args["chunked_prefill_size"] = self.chunked_prefill_size
+        if self.tp_size > 1:
+            args["tp_size"] = self.tp_size
         return args
 
     @property
@@ -75,4 +78,13 @@ GROUPS = (
     EngineGroup("tree_k2_s3", steps=3, topk=2, draft_tokens=6, scenarios=(
         Scenario("tree_k2_s3", "tree of topk 2, 3 steps, 6 draft tokens", _two(12)),)),
 )
-SCENARIOS = {s.id: (g, s) for g in GROUPS for s in g.scenarios}
+# The heavy groups (`make engine-full`, marker engine_full; never `make test`): tensor parallelism 2, each rank
+# a scheduler process of its own over gloo (start about 2.5 min on the 2-core host). TP_TWINS names the TP 1
+# scenario serving the same prompts at the same flags: the drafted tokens of every round must be identical.
+FULL_GROUPS = (
+    EngineGroup("chain_k3_tp2", steps=3, topk=1, draft_tokens=4, tp_size=2, scenarios=(
+        Scenario("batch_tp2", "TP 2 (two gloo ranks): three requests of 2, 5 and 9 tokens in one batch",
+                 ((Prompt(4, 2), Prompt(5, 5), Prompt(6, 9)),)),)),
+)
+TP_TWINS = {"batch_tp2": "batch"}
+SCENARIOS = {s.id: (g, s) for g in GROUPS + FULL_GROUPS for s in g.scenarios}

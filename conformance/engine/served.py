@@ -76,3 +76,26 @@ def served_rounds(events: list[tuple[dict, dict]], topk: int) -> dict[str, list[
                 rounds.setdefault(rid, []).append(r)
                 opening[rid] = [after_verify.pop(rid).trimmed(accept_lens[i])] if rid in after_verify else []
     return rounds
+
+
+def gathered_rounds(per_rank: list[dict[str, list[ServedRound]]], head_sharded: dict[str, int]) -> dict:
+    """Rank 0's rounds with every head-sharded stage (base name -> its head dim) gathered over the ranks' captures
+    in rank order: under tensor parallelism each rank's draft computes its own heads, together TP 1's."""
+    import dataclasses
+
+    def gather(passes: list[list[Pass]]) -> list[Pass]:
+        out = []
+        for parts in zip(*passes):
+            rows = {name: (torch.cat([p.rows[name] for p in parts], dim=head_sharded[name.rsplit(".", 1)[-1]])
+                           if name.rsplit(".", 1)[-1] in head_sharded else value)
+                    for name, value in parts[0].rows.items()}
+            out.append(dataclasses.replace(parts[0], rows=rows))
+        return out
+
+    gathered = {}
+    for rid, rounds in per_rank[0].items():
+        ranks = [rank.get(rid, []) for rank in per_rank]
+        gathered[rid] = [dataclasses.replace(r, extend=gather([x[i].extend for x in ranks]),
+                                             decode=gather([x[i].decode for x in ranks]))
+                         for i, r in enumerate(rounds) if all(len(x) > i for x in ranks)]
+    return gathered

@@ -19,7 +19,7 @@ import torch
 from conformance.adapters.base import AdapterBase, Drafter, TimedPass, chain_drafter
 
 from conformance.core.trace import Trace
-from conformance.adapters.sglang import drafting, engine, settings, target, weights
+from conformance.adapters.sglang import drafting, engine, settings, target, tensor_parallel, weights
 from conformance.adapters.sglang.recorder import Recorder, canonical_stages
 from conformance.adapters.sglang.runtime import attention_backend, ensure_runtime, forward_batch_on, forward_pass
 from conformance.checkpoints import weight_files
@@ -44,6 +44,7 @@ class SGLangAdapter(AdapterBase):
     target_capture: ClassVar[ModuleType | None] = target     # its target classes, fed the ids it reads from a draft
     server_settings: ClassVar[ModuleType | None] = settings  # --sglang-args through SGLang's own ServerArgs
     engine: ClassVar[ModuleType | None] = engine             # SGLang's real Engine (the engine lane)
+    tensor_parallel: ClassVar[ModuleType | None] = tensor_parallel   # target and draft over gloo ranks (TP)
     releases: ClassVar[tuple[str, ...]] = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")   # differences: compat.py
     silent_drop: ClassVar[str | None] = ("load_weights loads a tensor only `if param_name in params_dict` "
                                          "(sglang/srt/models/llama_eagle3.py:363, 373) and skips the rest "

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from conformance.adapters.sglang import engine_shims
+from conformance.adapters.sglang.runtime import NO_NCCL
 from conformance.adapters.sglang.engine_shims import SHIMS  # noqa: F401  (the engine lane reports them)
 
 # Server arguments every engine of the lane gets (greedy fp32 on CPU; SGLang resolves the rest).
@@ -38,6 +39,23 @@ RESOLVED_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculati
                    "attention_backend", "speculative_draft_attention_backend", "disable_overlap_schedule",
                    "chunked_prefill_size", "max_running_requests", "disable_radix_cache", "page_size",
                    "disable_cuda_graph", "dtype", "device")
+
+
+def tp_environment(tp_size: int) -> dict[str, str]:
+    """What SGLang's CPU tensor parallelism needs on this host, in its own variables (none at TP 1).
+
+    - SGLANG_CPU_OMP_THREADS_BIND: SGLang refuses more CPU ranks than NUMA nodes unless each rank's cores
+      are given (utils/numa_utils.py:460-470, its own message suggests the variable): one core per rank.
+    - SGLANG_NCCL_SO_PATH names a library that does not exist: this torch is a CUDA build that ships
+      libnccl, so SGLang's group set-up would open a PyNccl communicator on the CPU and fail in
+      torch.cuda.device(cpu) (distributed/parallel_state.py:463, pynccl.py:116); with the library absent SGLang
+      disables PyNccl itself (pynccl.py:73-79), as under a CPU torch build, and its collectives go over gloo.
+    """
+    if tp_size <= 1:
+        return {}
+    cores = os.cpu_count() or 1
+    return {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(rank % cores) for rank in range(tp_size)),
+            "SGLANG_NCCL_SO_PATH": NO_NCCL}
 
 
 @functools.cache
@@ -111,11 +129,12 @@ class ServedEngine:
         self._environ, self._start_method = dict(os.environ), multiprocessing.get_start_method(allow_none=True)
         start = time.perf_counter()
         try:
-            with launch_environment({"TRITON_INTERPRET": "1", **(env or {})}):
+            with launch_environment({"TRITON_INTERPRET": "1", **tp_environment(server_args.get("tp_size", 1)),
+                                     **(env or {})}):
                 self.engine = shimmed_engine_class()(
                     capture_dir=str(capture_dir), fault_yaml=fault_yaml, model_path=str(target_dir),
                     speculative_draft_model_path=str(draft_dir), custom_sigquit_handler=sigquit_during_launch,
-                    **BASE_ARGS, **server_args)
+                    **{**BASE_ARGS, **server_args})
         except BaseException:
             kill_process_tree(os.getpid(), include_parent=False)   # what Engine.shutdown does
             self._restore()
@@ -177,10 +196,10 @@ class ServedEngine:
         multiprocessing.set_start_method(self._start_method, force=True)
 
 
-def read_events(capture_dir: Path) -> list[tuple[dict, dict[str, torch.Tensor]]]:
-    """Every event the scheduler's capture wrote, in order: (metadata, tensors)."""
+def read_events(capture_dir: Path, tp_rank: int = 0) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+    """Every event the scheduler's capture of rank `tp_rank` wrote, in order: (metadata, tensors)."""
     events = []
-    for path in sorted(capture_dir.glob("event_*.safetensors")):
+    for path in sorted(engine_shims.rank_dir(capture_dir, tp_rank).glob("event_*.safetensors")):
         with safe_open(str(path), "pt") as f:
             meta = json.loads(f.metadata()["meta"])
             events.append((meta, {k: f.get_tensor(k) for k in f.keys()}))

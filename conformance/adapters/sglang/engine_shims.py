@@ -84,9 +84,17 @@ def run_scheduler_process(*args, capture_dir: str | None = None, fault_yaml: str
 
         apply_patches_from_config(fault_yaml)
     if capture_dir:
-        Capture(Path(capture_dir)).install()
-        (Path(capture_dir) / "shims.json").write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
+        # Under tensor parallelism every rank is a scheduler process of its own: each captures into its own
+        # folder (rank 0's is the capture folder itself, what a TP 1 engine writes).
+        tp_rank = kwargs["tp_rank"] if "tp_rank" in kwargs else args[3]   # run_scheduler_process's 4th argument
+        directory = rank_dir(Path(capture_dir), tp_rank)
+        Capture(directory).install()
+        (directory / "shims.json").write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
     return sglang_run(*args, **kwargs)
+
+
+def rank_dir(capture_dir: Path, tp_rank: int) -> Path:
+    return capture_dir if tp_rank == 0 else capture_dir / f"rank{tp_rank}"
 
 
 class Capture:

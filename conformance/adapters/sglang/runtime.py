@@ -18,6 +18,8 @@ ATTENTION_BACKEND = "torch_native"
 # torch; flashinfer and fa3 are separate CUDA builds).
 GPU_ATTENTION_BACKEND = "triton"
 INIT_METHOD = "tcp://127.0.0.1:0"
+# Tensor parallelism on this host: a NCCL library name that does not exist (tensor_parallel.py, engine.py).
+NO_NCCL = "libnccl-absent-on-this-cpu-host.so"
 
 
 def cpu_runtime_adjustments() -> dict[str, tuple[object, object]]:

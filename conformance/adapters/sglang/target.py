@@ -152,8 +152,12 @@ class SGLangTarget:
                                   qk_rope_head_dim=t["qk_rope_head_dim"], layer_num=n, device=device,
                                   enable_memory_saver=False)
         else:
+            # Under tensor parallelism a rank caches its own KV heads: SGLang's ModelConfig.get_num_kv_heads.
+            from sglang.srt.distributed.parallel_state import get_tp_group
+
+            heads = max(1, t["num_key_value_heads"] // get_tp_group().world_size)
             kv = MHATokenToKVPool(size=tokens + 1, page_size=1, dtype=torch.float32,
-                                  head_num=t["num_key_value_heads"], head_dim=t["head_dim"], layer_num=n,
+                                  head_num=heads, head_dim=t["head_dim"], layer_num=n,
                                   device=device, enable_memory_saver=False, enable_alt_stream=False)
         # The torch_native backend reads only these three fields of a ModelRunner.
         runner = SimpleNamespace(device=device, req_to_token_pool=req_to_token, token_to_kv_pool=kv)
