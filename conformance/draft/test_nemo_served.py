@@ -1,12 +1,13 @@
-"""NeMo Automodel 0.7.0's checkpoints through the server (SGLang 0.5.23, the default server, in-process).
+"""NeMo Automodel 0.7.0's checkpoints through every server (each adapter with `is_server`; one in its own lane,
+e.g. vLLM's, runs there).
 
-As written, SGLang refuses a NeMo directory: it resolves the draft's class by the name NeMo writes, which neither it
-nor transformers registers (the registry's reading entries for the nemo format, each a strict xfail where its
-loader refuses). This module checks that and the two ways a NeMo user gets it served:
-- this suite's conversion (conformance/user/convert.py, run as a user runs it): the same tensors bit for bit, the
-  config SGLang's own format writes, SGLang's weight accounting, step 0 and K = 7 steps against the reference,
-  each judged against the registry as the built-in matrix judges SGLang's own format;
-- NeMo's own serving helper (components/speculative/serve_sglang.py resolve_draft_artifacts), which rewrites
+As written, each server refuses a NeMo directory: it resolves the draft's class by the name NeMo writes, which
+neither it nor transformers registers (the registry's reading entries for the nemo format, each a strict xfail where
+its loader refuses). This module checks that and the two ways a NeMo user gets it served:
+- this suite's conversion (conformance/user/convert.py, run as a user runs it, into the server's own format): the
+  same tensors bit for bit, the config the server's own format writes, the server's weight accounting, step 0 and
+  K = 7 steps against the reference, each judged against the registry as the built-in matrix judges that format;
+- NeMo's own serving helper for SGLang (components/speculative/serve_sglang.py resolve_draft_artifacts), which rewrites
   only `architectures` in a consolidated directory and keeps the target's depth as num_hidden_layers.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conformance.adapters import ADAPTERS, DEFAULT_SERVER, account
+from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS, DEFAULT_SERVER, account
 from conformance.checkpoints import CONFIG_FILE, open_checkpoint, read_weights
 from conformance.checkpoints.formats import nemo
 from conformance.core.common import first_line
@@ -33,22 +34,24 @@ from conformance.user import convert
 from fixtures.cases import MULTISTEP_CASES, STEP0_CASES
 
 pytestmark = pytest.mark.cpu
-SERVER = DEFAULT_SERVER
+SERVER = DEFAULT_SERVER   # NeMo's own serving helper is for SGLang, the default server
+SERVERS = [impl for impl in ALL_IMPLEMENTATIONS if ADAPTERS[impl].is_server]
 STEPS = 7
 STEP0 = [c for c in STEP0_CASES if not nemo.inexpressible(c.config)]
 MULTISTEP = [c for c in MULTISTEP_CASES if not nemo.inexpressible(c.config)]
 
 
 class ConvertedStore(DraftStore):
-    """The built-in cases, the server loading each case's NeMo directory as this suite's converter turns it into
-    the server's format (`python -m conformance.user.convert DRAFT OUT`, its default format)."""
+    """The built-in cases, each server loading each case's NeMo directory as this suite's converter turns it into
+    the server's own format (`python -m conformance.user.convert DRAFT OUT --format FORMAT`)."""
 
     def directory(self, impl: str, case) -> Path:
-        if impl != SERVER:
+        if impl not in SERVERS:
             return super().directory(impl, case)
-        out = self.root / case.id / "nemo-converted"
+        fmt = ADAPTERS[impl].checkpoint_format
+        out = self.root / case.id / f"nemo-converted-{fmt}"
         if not out.exists():
-            code = convert.main([str(self.checkpoint(case)[nemo.NAME]), str(out)])
+            code = convert.main([str(self.checkpoint(case)[nemo.NAME]), str(out), "--format", fmt])
             assert code == 0, f"the converter refused {case.id}'s NeMo directory (exit {code})"
         return out
 
@@ -58,32 +61,33 @@ def converted(tmp_path_factory):
     return ConvertedStore(tmp_path_factory.mktemp("nemo-served"))
 
 
-def as_written(case) -> tuple:
+def as_written(impl: str, case) -> tuple:
     """The registry's readings of the nemo format by the server that apply to the case: its loader's refusal."""
     names = {**case_names(case), "format": nemo.NAME, "absent": (), "overruled": ()}
-    return tuple(dataclasses.replace(e, area="load") for e in applicable("reading", SERVER, names) if e.error)
+    return tuple(dataclasses.replace(e, area="load") for e in applicable("reading", impl, names) if e.error)
 
 
-@pytest.mark.parametrize("case", [known_param(c, id=c.id, known=as_written(c)) for c in STEP0])
-def test_server_reads_the_nemo_directory_as_written(case, drafts, repro):
+@pytest.mark.parametrize("impl,case", [known_param(i, c, id=f"{i}-{c.id}", known=as_written(i, c))
+                                       for i in SERVERS for c in STEP0])
+def test_server_reads_the_nemo_directory_as_written(impl, case, drafts, repro):
     """The directory as NeMo's checkpointer writes it, loaded by the server's own path (its class resolved from
     architectures as its model runner resolves it) and run at step 0 against the reference."""
     try:
-        loaded = ADAPTERS[SERVER]().load(drafts.checkpoint(case)[nemo.NAME], torch.float32)
+        loaded = ADAPTERS[impl]().load(drafts.checkpoint(case)[nemo.NAME], torch.float32)
     except Exception as exc:   # the server's loader refused the directory: its own words, one line
-        settle(f"{SERVER} could not load {case.id}'s NeMo directory: {type(exc).__name__}: {first_line(exc)}\n"
-               f"  repro: {repro}", match_load(as_written(case), type(exc).__name__, first_line(exc)))
+        settle(f"{impl} could not load {case.id}'s NeMo directory: {type(exc).__name__}: {first_line(exc)}\n"
+               f"  repro: {repro}", match_load(as_written(impl, case), type(exc).__name__, first_line(exc)))
     actual = loaded.run(drafts.batch(case), 1).on_cpu()
     first = compare_traces(actual, drafts.trace("reference", case, torch.float32), case.id).first_divergence
-    assert first is None, f"{SERVER} serves {case.id}'s NeMo directory differently: first divergence {first}"
+    assert first is None, f"{impl} serves {case.id}'s NeMo directory differently: first divergence {first}"
 
 
-@pytest.mark.parametrize("case", STEP0, ids=lambda c: c.id)
-def test_conversion_keeps_every_tensor_and_writes_the_servers_format(case, converted):
+@pytest.mark.parametrize("impl,case", [(i, c) for i in SERVERS for c in STEP0], ids=lambda p: getattr(p, "id", p))
+def test_conversion_keeps_every_tensor_and_writes_the_servers_format(impl, case, converted):
     """The converted directory holds NeMo's tensors bit for bit under the server's names, and the config.json the
-    server's own format writes for the case (the ids NeMo's default gives its target depth, in eagle_config)."""
-    out = converted.directory(SERVER, case)
-    own = converted.checkpoint(case)[ADAPTERS[SERVER].checkpoint_format]
+    server's own format writes for the case (the ids NeMo's default gives its target depth)."""
+    out = converted.directory(impl, case)
+    own = converted.checkpoint(case)[ADAPTERS[impl].checkpoint_format]
     assert json.loads((out / CONFIG_FILE).read_text()) == json.loads((own / CONFIG_FILE).read_text())
     got, want = read_weights(out), read_weights(converted.checkpoint(case)[nemo.NAME])
     assert set(got) == set(want), sorted(set(got) ^ set(want))
@@ -92,23 +96,24 @@ def test_conversion_keeps_every_tensor_and_writes_the_servers_format(case, conve
     assert open_checkpoint(out).config == case.config
 
 
-@pytest.mark.parametrize("case", [known_param(c, id=c.id, known=for_accounting(SERVER, c)) for c in STEP0])
-def test_converted_nemo_draft_weight_accounting(case, converted, report, repro):
-    acct = account(SERVER, converted.directory(SERVER, case))
+@pytest.mark.parametrize("impl,case", [known_param(i, c, id=f"{i}-{c.id}", known=for_accounting(i, c))
+                                       for i in SERVERS for c in STEP0])
+def test_converted_nemo_draft_weight_accounting(impl, case, converted, report, repro):
+    acct = account(impl, converted.directory(impl, case))
     report.add_row(Section.WEIGHT_ACCOUNTING, acct.row(f"{case.id} (NeMo, converted)"))
     assert acct.tensors == len(read_weights(converted.checkpoint(case)[nemo.NAME]))
-    settle_accounting(acct, for_accounting(SERVER, case), f"{SERVER} weight accounting [{case.id}, NeMo converted]",
+    settle_accounting(acct, for_accounting(impl, case), f"{impl} weight accounting [{case.id}, NeMo converted]",
                       repro)
 
 
 @pytest.mark.parametrize("impl,dtype_name,case",
-                         list(conformance_params([SERVER], DTYPES, STEP0, extra_id="nemo-converted", steps=1)))
+                         list(conformance_params(SERVERS, DTYPES, STEP0, extra_id="nemo-converted", steps=1)))
 def test_converted_nemo_draft_step0_matches_reference(impl, dtype_name, case, converted, report, request, repro):
     assert_conforms(converted, report, impl, case, dtype_name, request.node.nodeid, repro)
 
 
 @pytest.mark.parametrize("impl,dtype_name,case",
-                         list(conformance_params([SERVER], DTYPES, MULTISTEP, extra_id="nemo-converted")))
+                         list(conformance_params(SERVERS, DTYPES, MULTISTEP, extra_id="nemo-converted")))
 def test_converted_nemo_draft_multistep_matches_reference(impl, dtype_name, case, converted, report, request, repro):
     assert_conforms(converted, report, impl, case, dtype_name, request.node.nodeid, repro, steps=STEPS)
 

@@ -283,3 +283,30 @@ def test_the_engine_worker_file_checks_catch_a_planted_import(tmp_path):
     assert foreign(capture, (tmp_path,)) == ["conformance", "transformers"]
     answer = import_alone({capture: (tmp_path,)}, tmp_path)["engine_capture"]
     assert "conformance refused" in answer.get("error", ""), answer
+
+
+def test_a_validation_errors_one_line_names_its_cause():
+    """vLLM's config classes are pydantic dataclasses: the first line of what they raise names only the class, so
+    the worker's one line adds the first error's message (worker_pipe.first_line); a registry entry matches it.
+    Planted: two refusals with the same first line must read differently; other exceptions keep their first line."""
+    from pydantic.dataclasses import dataclass
+
+    from conformance.adapters.vllm.worker_pipe import DETAIL, first_line
+
+    @dataclass
+    class SpeculativeConfig:
+        model: str
+
+        def __post_init__(self):
+            raise ValueError(f"Model architectures ['{self.model}'] are not supported for now. " + "x" * 500)
+
+    lines = []
+    for model in ("LlamaEagle3DraftModel", "Other"):
+        with pytest.raises(Exception) as caught:
+            SpeculativeConfig(model=model)
+        lines.append(first_line(caught.value))
+    assert lines[0].startswith("1 validation error for SpeculativeConfig: Value error, Model architectures "
+                               "['LlamaEagle3DraftModel'] are not supported"), lines[0]
+    head = "1 validation error for SpeculativeConfig: "
+    assert lines[0] != lines[1] and "\n" not in lines[0] and len(lines[0]) <= len(head) + DETAIL + 3
+    assert first_line(ValueError("a\nb")) == "a" and first_line(RuntimeError()) == "RuntimeError"

@@ -27,6 +27,17 @@ def send(channel, answer: dict) -> None:
     channel.write(json.dumps(answer) + "\n")
 
 
+DETAIL = 200   # characters of a validation error's detail kept (vLLM's registry refusal lists ~400 architectures)
+
+
 def first_line(exc: BaseException) -> str:
+    """One line of what vLLM raised. pydantic's ValidationError (vLLM's config classes) says only "1 validation
+    error for SpeculativeConfig" on its first line, the cause on the next: its first error's message is added,
+    cut to DETAIL characters, so that a registry entry can tell one refusal from another."""
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    line = text[0] if text else type(exc).__name__
+    errors = getattr(exc, "errors", None)
+    if type(exc).__name__ == "ValidationError" and callable(errors) and errors():
+        detail = (str(errors()[0].get("msg", "")).splitlines() or [""])[0]
+        line += f": {detail[:DETAIL]}" + ("..." if len(detail) > DETAIL else "")
+    return line
