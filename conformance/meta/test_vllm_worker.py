@@ -47,6 +47,22 @@ def test_a_planted_harness_fault_shows_at_attention(impl, plant, drafts, repro):
         f"planted {plant} not caught at attention:\n{planted.message(repro)}")
 
 
+@pytest.mark.parametrize("impl", [name for name in OWN_LANE if ADAPTERS[name].served_boundaries is not None])
+def test_a_retried_run_records_only_its_own_pass(impl, drafts, repro):
+    """run() retries after an Inductor codegen error (worker_run.py); the failed attempt stopped inside layer 0,
+    its hooks half fired. The retry's trace must be the retry's own: planted through the real retry path, the
+    run conforms and records every stage (a recorder left with the failed pass files step 0's fc_in_norm under
+    layer 0 and the stage goes missing)."""
+    adapter = ADAPTERS[impl]()
+    case = CASES_BY_ID["fc_norm"]
+    loaded = adapter.load(drafts.checkpoint(case)[adapter.checkpoint_format], torch.float32)
+    expected = drafts.trace("reference", case, torch.float32, 2)
+    trace = loaded.run(drafts.batch(case, 2), 2, plant="inductor_error_once")
+    assert any("torch Inductor codegen failed" in note for note in trace.notes), trace.notes
+    retried = compare_traces(trace, expected, case.id)
+    assert retried.first_divergence is None, retried.message(repro)
+
+
 class StandInItem:
     """What own_lanes reads and writes of a pytest item: its parameters and its marker walk (a `cpu` mark set
     on the module, as pytestmark does, and one on the function)."""

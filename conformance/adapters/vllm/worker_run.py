@@ -12,7 +12,12 @@ from worker_pipe import first_line
 from worker_record import canonical, first
 
 # Harness faults the meta tests plant (conformance/meta/test_vllm_worker.py) to show the comparison catches them.
-PLANTS = ("kv_write_next_slot", "null_block")
+# inductor_error_once: the first attempt fails inside layer 0's attention as Inductor's codegen can (run's retry).
+PLANTS = ("kv_write_next_slot", "null_block", "inductor_error_once")
+
+
+class InductorError(RuntimeError):
+    """The planted failure: named as torch._inductor's, which is what run() retries on."""
 
 
 def kv_cache(loaded: Loaded, num_blocks: int):
@@ -45,6 +50,8 @@ def run(req: dict) -> dict:
     if plant is not None and plant not in PLANTS:
         raise ValueError(f"unknown plant {plant!r}: {PLANTS}")
     shims.SLOT_SHIFT = 1 if plant == "kv_write_next_slot" else 0
+    fail_once = STATE["loaded"][req["handle"]].attn[0].register_forward_pre_hook(_fail_once()) \
+        if plant == "inductor_error_once" else None
     try:
         return _run(req)
     except Exception as exc:
@@ -57,6 +64,18 @@ def run(req: dict) -> dict:
         return answer
     finally:
         shims.SLOT_SHIFT = 0
+        if fail_once is not None:
+            fail_once.remove()
+
+
+def _fail_once():
+    calls = []
+
+    def hook(module, args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise InductorError("planted: C++ compile error")
+    return hook
 
 
 def _run(req: dict) -> dict:
@@ -116,6 +135,9 @@ def _run(req: dict) -> dict:
         # Step 0: combine_hidden_states, then the model over every scheduled token (llm_base_proposer.py:549-601),
         # in two chunks when the request extends over a cached prefix (chunked prefill).
         aux_dt = aux.to(dt)
+        # A failed attempt (run's retry after an Inductor error) leaves its partial pass in the recorder, the
+        # layer it failed in included: what this run records starts empty.
+        loaded.recorder.take()
         fed = model.combine_hidden_states(aux_dt)
         fc_seen = loaded.recorder.take()
         st: dict = {}
