@@ -141,14 +141,17 @@ def serve(preload: list[str]) -> None:
     gc.freeze()
     children: dict[int, tuple[str, str]] = {}   # pid -> (request id, stdout path)
     preloaded: set[str] = set()
-    open_input = True
+    # Requests are read from the file descriptor itself: select() sees only what the descriptor still holds, so
+    # lines a buffered reader had already taken in (two requests written at once) would wait for the next
+    # request, and the last of them forever.
+    stdin, pending, open_input = sys.stdin.fileno(), b"", True
     while open_input or children:
-        ready, _, _ = select.select([sys.stdin] if open_input else [], [], [], 0.05)
+        ready, _, _ = select.select([stdin] if open_input else [], [], [], 0.05)
         if ready:
-            line = sys.stdin.readline()
-            if not line:
-                open_input = False
-            else:
+            chunk = os.read(stdin, 1 << 16)
+            open_input = bool(chunk)
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
                 request = json.loads(line)
                 pid = os.fork()
                 if pid == 0:

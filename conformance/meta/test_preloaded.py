@@ -7,10 +7,12 @@ starts a thread (refused: a fork copies no thread, and a lock one held stays hel
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import Future
 
 import pytest
 
@@ -91,3 +93,24 @@ def test_only_printed_commands_run(tmp_path):
     finally:
         preloaded.close()
     assert ran.returncode == 127 and "not a command this suite prints" in ran.stderr, ran
+
+
+def test_requests_written_together_all_run(tmp_path):
+    """Several threads' requests can reach the parent in one read (make check's runs start at once); each must
+    start a child, the last one too, not wait for a request that never comes."""
+    preloaded = Preloaded(tmp_path / "preloaded")
+    try:
+        futures = []
+        lines = ""
+        for rid in ("together-1", "together-2", "together-3"):
+            futures.append(preloaded.pending.setdefault(rid, Future()))
+            lines += json.dumps({"id": rid, "argv": ["/bin/echo", rid], "cwd": str(ROOT), "env": {},
+                                 "stdout": str(tmp_path / f"{rid}.out"), "stderr": str(tmp_path / f"{rid}.err")})
+            lines += "\n"
+        with preloaded.lock:
+            preloaded.process.stdin.write(lines)
+            preloaded.process.stdin.flush()
+        codes = [future.result(timeout=60) for future in futures]
+    finally:
+        preloaded.close()
+    assert codes == [127, 127, 127], codes
