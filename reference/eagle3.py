@@ -4,7 +4,8 @@ This is the arbiter every implementation is compared against. It follows specula
 `Eagle3DraftModel` (the training path, `eagle3-semantics.md` §1.1) and honours every knob of §2,
 including the ones SGLang lacks (`norm_before_residual`, q/k/v bias, `input_layernorm` on layers
 >= 1, the qwen3 draft layers' q_norm/k_norm), and partial rotary. One code path, plain
-`softmax(QK^T/sqrt(d) + mask) V` attention, no side effects.
+`softmax(QK^T/sqrt(d) + mask) V` attention, no side effects. MLA drafts' attention (DeepSeek's latent
+attention, `mla_attention` with its `MLAConfig`) is a separate block next to the Llama one.
 
 Precision policy (one place): every matmul runs in the working dtype; RMSNorm and softmax upcast
 to fp32 (fp64 stays fp64) and cast back, as HF and SGLang do; RoPE angles and cos/sin are
@@ -29,7 +30,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from reference.rope import ROPE_TYPES, rope_cos_sin, rotate
+from reference.rope import ROPE_TYPES, rope_cos_sin, rotate, rotate_interleaved
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,56 @@ class Eagle3Config:
 DRAFT_ARCHS = ("llama", "qwen3")   # speculators' draft_arch choices (models/eagle3/model_definitions.py:135-142)
 
 
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention (MLA) of an MLA draft layer, named as in DeepseekV3Config.
+
+    It is the RopeConfig of its own RoPE (reference/rope.py): the tables span the rope slice of a head."""
+
+    num_attention_heads: int
+    q_lora_rank: int | None              # None: q_proj straight from the input; else q_a_proj -> norm -> q_b_proj
+    kv_lora_rank: int                    # the compressed KV latent every head's k_nope and v come from
+    qk_nope_head_dim: int                # channels of each q/k head that RoPE leaves alone
+    qk_rope_head_dim: int                # channels RoPE turns; one rope key shared by all heads
+    v_head_dim: int
+    rms_norm_eps: float = 1e-6           # q_a_layernorm, kv_a_layernorm
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping | None = None  # as Eagle3Config's; yarn's mscale_all_dim also scales the softmax
+    max_position_embeddings: int = 2048
+    rope_interleave: bool = True         # DeepSeek's pairs (2i, 2i+1); False: half-split as Llama
+
+    def __post_init__(self):
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not implemented by the reference")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim < 2:
+            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim}: needs an even number >= 2")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk_head_dim), times yarn's mscale(factor, mscale_all_dim) squared when the scaling has one.
+
+        transformers 5.19.0 models/deepseek_v3/modeling_deepseek_v3.py:262-275 (yarn_get_mscale,
+        yarn_apply_mscale: any rope_type but default), applied at :406; SGLang deepseek_v2.py does the
+        same. The cos/sin tables carry the other factor, mscale(factor, mscale) / mscale(factor,
+        mscale_all_dim) (rope.py rope_inv_freq), so q.k of the rope slice sees both."""
+        scale = self.qk_head_dim ** -0.5
+        p = dict(self.rope_scaling or {})
+        if p.get("rope_type", "default") != "default" and p.get("mscale_all_dim"):
+            factor = p["factor"]
+            m = 1.0 if factor <= 1 else 0.1 * p["mscale_all_dim"] * math.log(factor) + 1.0
+            scale = scale * m * m
+        return scale
+
+
 # ---------------------------------------------------------------- building blocks
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -127,6 +178,51 @@ def attention(q, k_steps, v_steps, visible, cfg: Eagle3Config) -> torch.Tensor:
     probs = scores.to(compute).softmax(dim=-1).to(q.dtype)
     out = torch.einsum("hqk,khd->qhd", probs, v)                     # [T, nh, hd]
     return out.reshape(out.shape[0], -1)
+
+
+def mla_attention(x: torch.Tensor, w: dict, prefix: str, cfg: MLAConfig, cos, sin, cache, visible
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DeepSeek's MLA over x [T, D] (D = 2H on layer 0) -> (o_proj output [T, H], its stages).
+
+    As transformers 5.19.0's DeepseekV3Attention (models/deepseek_v3/modeling_deepseek_v3.py:350-483),
+    with its weight names under `{prefix}.self_attn.` and the stages `{prefix}.<name>` of
+    conformance.core.stages. cos/sin: rope_cos_sin(cfg, ...) [T, qk_rope_head_dim]; cache: this layer's
+    (keys, values) per step, to which this step's are appended; visible: as for `attention`. The keys
+    are kept expanded per head (what an absorbed MLA kernel never materialises, but the same q.k).
+    """
+    a, nh, T = f"{prefix}.self_attn", cfg.num_attention_heads, x.shape[0]
+    nope, rd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    stages: dict[str, torch.Tensor] = {}
+    if cfg.q_lora_rank is None:
+        q = linear(x, w, f"{a}.q_proj")                                                   # [T, nh*(nope+rd)]
+    else:
+        q_latent = rms_norm(linear(x, w, f"{a}.q_a_proj"), w[f"{a}.q_a_layernorm.weight"], cfg.rms_norm_eps)
+        stages[f"{prefix}.q_latent"] = q_latent                                           # [T, q_lora_rank]
+        q = linear(q_latent, w, f"{a}.q_b_proj")
+    q = q.view(T, nh, cfg.qk_head_dim)                                                    # [T, nh, nope+rd]
+    # One down projection gives the KV latent and the rope key, both shared by every head.
+    latent, k_pe = linear(x, w, f"{a}.kv_a_proj_with_mqa").split([cfg.kv_lora_rank, rd], dim=-1)
+    kv_latent = rms_norm(latent, w[f"{a}.kv_a_layernorm.weight"], cfg.rms_norm_eps)     # [T, kv_lora_rank]
+    kv = linear(kv_latent, w, f"{a}.kv_b_proj").view(T, nh, nope + cfg.v_head_dim)
+    k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)                                  # [T, nh, nope], [T, nh, vd]
+    # RoPE turns only the rope slice of each q head and the one shared rope key.
+    turn = rotate_interleaved if cfg.rope_interleave else rotate
+    k_rope = turn(k_pe[:, None, :], cos, sin)                                             # [T, 1, rd]
+    q_rot = torch.cat([q[..., :nope], turn(q[..., nope:], cos, sin)], dim=-1)             # [T, nh, nope+rd]
+    k_rot = torch.cat([k_nope, k_rope.expand(T, nh, rd)], dim=-1)                         # [T, nh, nope+rd]
+    cache[0].append(k_rot)
+    cache[1].append(v)
+    k_all, v_all = torch.cat(cache[0], dim=0), torch.cat(cache[1], dim=0)                 # [S*T, nh, ...]
+    scores = torch.einsum("qhd,khd->hqk", q_rot, k_all) * cfg.softmax_scale              # [nh, T, S*T]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    probs = scores.to(compute).softmax(dim=-1).to(q.dtype)
+    core = torch.einsum("hqk,khd->qhd", probs, v_all).reshape(T, nh * cfg.v_head_dim)    # [T, nh*vd]
+    attn_out = linear(core, w, f"{a}.o_proj")                                             # [T, H]
+    stages.update({f"{prefix}.{name}": t for name, t in (
+        ("q", q), ("kv_latent", kv_latent), ("k_rope", k_rope[:, 0]), ("v", v), ("q_rot", q_rot), ("k_rot", k_rot),
+        ("attn_core", core), ("attn_out", attn_out))})
+    return attn_out, stages
 
 
 def visibility(seq_ids: torch.Tensor, index_in_seq: torch.Tensor, step: int, window: int | None):

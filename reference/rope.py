@@ -1,7 +1,9 @@
 """The reference draft's rotary position embedding: tables and rotation, in training semantics.
 
 Every rope scaling the reference implements (ROPE_TYPES, per HF modeling_rope_utils) and partial
-rotary (the first `cfg.rotary_dim` channels of each head turn, the rest pass through). `cfg` is the
+rotary (the first `cfg.rotary_dim` channels of each head turn, the rest pass through). Two channel
+layouts: the half-split pairs (i, i + rd/2) of Llama and neox (`rotate`), and DeepSeek's interleaved
+pairs (2i, 2i + 1) of MLA drafts (`rotate_interleaved`), over the same cos/sin tables. `cfg` is the
 draft's Eagle3Config (reference/eagle3.py); only its rotary_dim, rope_theta, rope_scaling and
 max_position_embeddings are read.
 
@@ -113,3 +115,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, rd]; DeepSeek's interleaved RoPE: channels (2i, 2i+1) form pair i, turned by frequency i.
+
+    The output keeps the interleaved order, as DeepSeek's view_as_complex rotation and SGLang's non-neox
+    RoPE write it. transformers 5.19.0 (models/deepseek_v3/modeling_deepseek_v3.py:341-346,
+    apply_rotary_pos_emb_interleave) writes the same values de-interleaved, [evens' | odds']: one
+    permutation of q's and k's channels alike, so q.k and the attention do not change. cos/sin are
+    rope_cos_sin's [T, rd] tables (the angles repeated), of which the first half holds one angle per pair.
+    """
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]                            # [T, 1, rd/2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]                                        # [T, heads, rd/2] each
+    return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)

@@ -2,7 +2,9 @@
 
 Every adapter maps its implementation onto these names (fused layouts split back, fused residual
 pairs summed); a stage an implementation does not expose is absent from its trace, never faked.
-Per-layer stages are prefixed `layers.{i}.`.
+Per-layer stages are prefixed `layers.{i}.`. An MLA draft layer (DeepSeek's latent attention,
+reference/eagle3.py mla_attention) has q_latent, kv_latent and k_rope, the pieces an MLA KV pool and
+its q LoRA hold, and no k; kv_latent and k_rope are what an MLA pool caches per token.
 """
 from __future__ import annotations
 
@@ -19,10 +21,13 @@ LAYER = (
     "hidden_norm",      # the normed hidden entering attention (hidden_norm on layer 0, input_layernorm after)
     "residual",         # what the attention output is added to
     "attn_in",          # q/k/v projection input: [embeds_norm, hidden_norm] on layer 0
-    "q", "k", "v",      # [T, heads, head_dim], before RoPE
+    "q_latent",         # MLA with q_lora_rank only: q_a_layernorm(q_a_proj(attn_in)), [T, q_lora_rank]
+    "q", "k", "v",      # [T, heads, head_dim], before RoPE (MLA: q [T, nh, nope+rope], no k, v [T, nh, v_head_dim])
+    "kv_latent",        # MLA only: kv_a_layernorm of the latent slice of kv_a_proj_with_mqa, [T, kv_lora_rank]
     "q_norm", "k_norm", # qwen3 draft layers only: per-head RMSNorm of q and k, before RoPE
-    "q_rot", "k_rot",   # after RoPE
-    "attn_core",        # attention output before o_proj, [T, nh*hd]
+    "k_rope",           # MLA only: the rope key shared by all heads, after RoPE, [T, qk_rope_head_dim]
+    "q_rot", "k_rot",   # after RoPE (MLA: each head [nope | rope], the rope slice in DeepSeek's interleaved order)
+    "attn_core",        # attention output before o_proj, [T, nh*hd] (MLA: [T, nh*v_head_dim])
     "attn_out",         # after o_proj
     "post_attn",        # residual + attn_out
     "post_attn_norm",   # post_attention_layernorm(post_attn)
