@@ -111,7 +111,8 @@ class MLAConfig:
     rope_theta: float = 10000.0
     rope_scaling: Mapping | None = None  # as Eagle3Config's; yarn's mscale_all_dim also scales the softmax
     max_position_embeddings: int = 2048
-    rope_interleave: bool = True         # DeepSeek's pairs (2i, 2i+1); False: half-split as Llama
+    rope_interleave: bool = True         # DeepSeek's pairs (2i, 2i+1); False: half-split as Llama (transformers
+                                         # modeling_deepseek_v3.py:453-456; SGLang deepseek_v2.py:2166)
 
     def __post_init__(self):
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
@@ -133,9 +134,10 @@ class MLAConfig:
         """1/sqrt(qk_head_dim), times yarn's mscale(factor, mscale_all_dim) squared when the scaling has one.
 
         transformers 5.19.0 models/deepseek_v3/modeling_deepseek_v3.py:262-275 (yarn_get_mscale,
-        yarn_apply_mscale: any rope_type but default), applied at :406; SGLang deepseek_v2.py does the
-        same. The cos/sin tables carry the other factor, mscale(factor, mscale) / mscale(factor,
-        mscale_all_dim) (rope.py rope_inv_freq), so q.k of the rope slice sees both."""
+        yarn_apply_mscale: any rope_type but default), applied at :406; SGLang 0.5.23 the same
+        (configs/model_config.py:2623-2648, at models/deepseek_v2.py:2177-2178). The cos/sin tables
+        carry the other factor, mscale(factor, mscale) / mscale(factor, mscale_all_dim) (rope.py
+        rope_inv_freq), so q.k of the rope slice sees both."""
         scale = self.qk_head_dim ** -0.5
         p = dict(self.rope_scaling or {})
         if p.get("rope_type", "default") != "default" and p.get("mscale_all_dim"):
@@ -184,7 +186,7 @@ def mla_attention(x: torch.Tensor, w: dict, prefix: str, cfg: MLAConfig, cos, si
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DeepSeek's MLA over x [T, D] (D = 2H on layer 0) -> (o_proj output [T, H], its stages).
 
-    As transformers 5.19.0's DeepseekV3Attention (models/deepseek_v3/modeling_deepseek_v3.py:350-483),
+    As transformers 5.19.0's DeepseekV3Attention (models/deepseek_v3/modeling_deepseek_v3.py:350-484),
     with its weight names under `{prefix}.self_attn.` and the stages `{prefix}.<name>` of
     conformance.core.stages. cos/sin: rope_cos_sin(cfg, ...) [T, qk_rope_head_dim]; cache: this layer's
     (keys, values) per step, to which this step's are appended; visible: as for `attention`. The keys
