@@ -1,0 +1,218 @@
+"""SGLang 0.5.23's MLA EAGLE-3 draft (models/kimi_k25_eagle3.py, `Eagle3DeepseekV2ForCausalLM`) on this CPU: a
+tiny draft shaped like the published Kimi-K2.5 one (fixtures/mla.py), built and loaded by SGLang's own class and
+`load_weights`, and accounted for tensor by tensor (conformance/adapters/sglang/weights.py): every checkpoint
+tensor lands bit for bit (q_a_proj and kv_a_proj_with_mqa in their rows of the fused parameter SGLang builds),
+or is named. What SGLang does otherwise than training is stated as registry entries (PENDING, below).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conformance.adapters.sglang.weights import account_mla
+from conformance.core.matching import KnownDivergenceHit, settle_accounting
+from conformance.core.registry import Known
+from fixtures.mla import ABSENT, LAYOUTS, make_mla_config, make_mla_weights, write_mla_checkpoint
+
+pytestmark = pytest.mark.cpu
+SEED = 20260
+SGLANG_MLA_LOGGER = "sglang.srt.models.kimi_k25_eagle3"
+FUSED = "model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight"
+
+# What SGLang's MLA draft does otherwise than training, observed below through SGLang's own code. They join
+# conformance/core/registry.toml once the matrix has MLA cases (draft_arch "mla" and its q_lora_rank knob, being
+# added to reference/eagle3.py and fixtures/cases.py): the registry's self-tests need a case each entry decides.
+PENDING = (
+    Known("load", "sglang-mla-requires-q-lora", "sglang", ">=0.5.23,<=0.5.23",
+          "draft_arch == 'mla' and q_lora_rank == None",
+          "SGLang's MLA draft layer raises unless the config states a q_lora_rank "
+          "(models/kimi_k25_eagle3.py:113-117): it replaces the fused q_a/kv_a down projection only; an MLA draft "
+          "trained with q straight from the input (q_proj: TorchSpec torchspec/models/draft/deepseek_eagle.py:"
+          "128-136, the reference's MLAConfig with q_lora_rank None) cannot be served.",
+          error="ValueError", message="^Eagle3 MLA layer requires q_lora_rank in the draft config$"),
+    Known("accounting", "sglang-mla-input-norm-dropped-at-load", "sglang", ">=0.5.23,<=0.5.23",
+          "draft_arch == 'mla' and norm_before_fc",
+          "Eagle3MLAModel has no input norm over the aux states (models/kimi_k25_eagle3.py:191-255: fc_norm only), "
+          "and load_weights skips a name it cannot place with a logged warning and nothing else "
+          "(kimi_k25_eagle3.py:494-496): a norm_before_fc draft is served without its norm.",
+          problem="dropped silently", tensors=("input_norm\\.weight",)),
+)
+PENDING_BY_ID = {e.id: e for e in PENDING}
+
+
+def checkpoint(tmp_path, name="draft", layout="layers.0", edit=None, **config_changes):
+    cfg = make_mla_config(**config_changes)
+    weights = make_mla_weights(cfg, torch.Generator().manual_seed(SEED), layout)
+    if edit is not None:
+        edit(weights, cfg)
+    return write_mla_checkpoint(tmp_path / name, cfg, weights)
+
+
+@pytest.fixture
+def patched_sglang():
+    """Apply a source_patcher config (SGLang's own planting mechanism) for the test; restored afterwards."""
+    from sglang.srt.debug_utils.source_patcher import apply_patches_from_config
+
+    states = []
+    yield lambda config: states.extend(apply_patches_from_config(config))
+    for state in reversed(states):
+        state.restore()
+
+
+# ---------------------------------------------------------------- as published: every tensor lands
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_mla_tensor_lands_bit_for_bit(layout, tmp_path, repro):
+    """Both of TorchSpec's export layouts: SGLang maps `layers.0.*` and `midlayer.*` alike onto its midlayer."""
+    acct, model = account_mla(checkpoint(tmp_path, layout=layout), torch.float32)
+    settle_accounting(acct, (), f"sglang MLA weight accounting [{layout}]", repro)
+    cfg = make_mla_config()
+    q, kv = cfg["q_lora_rank"], cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    landed = dict(acct.landed)
+    assert landed[f"{layout}.self_attn.q_a_proj.weight"] == f"{FUSED}[0:{q}]", acct.landed
+    assert landed[f"{layout}.self_attn.kv_a_proj_with_mqa.weight"] == f"{FUSED}[{q}:{q + kv}]", acct.landed
+    assert landed["d2t"] == "hot_token_id (d2t + arange)" and acct.ignored == ["t2d"], acct.row(layout)
+    assert len(acct.landed) + len(acct.ignored) == acct.tensors, acct.row(layout)
+    assert acct.uses["lm_head"] == "checkpoint lm_head", acct.uses
+    assert type(model).__name__ == "Eagle3DeepseekV2ForCausalLM"
+
+
+@pytest.mark.meta
+def test_fused_rows_in_the_wrong_order_are_named(tmp_path, patched_sglang):
+    """Planted in SGLang's own load_weights: the fused down projection concatenated kv first. Both pieces land
+    in the rows the accounting expects them in, with other values there: both are named."""
+    patched_sglang("""
+patches:
+  - target: sglang.srt.models.kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM.load_weights
+    edits:
+      - match: |
+          [cached_a_proj[q_name], cached_a_proj[kv_name]], dim=0
+        replacement: |
+          [cached_a_proj[kv_name], cached_a_proj[q_name]], dim=0
+""")
+    acct, _ = account_mla(checkpoint(tmp_path), torch.float32)
+    cfg = make_mla_config()
+    q, kv = cfg["q_lora_rank"], cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    assert acct.differs == [f"{FUSED}[0:{q}]", f"{FUSED}[{q}:{q + kv}]"], acct.row("planted")
+
+
+@pytest.mark.meta
+def test_a_corrupted_tensor_is_named(tmp_path, patched_sglang):
+    """Planted in SGLang's own load_weights: the plain (unfused) path writes one tensor scaled. Only it is named."""
+    patched_sglang("""
+patches:
+  - target: sglang.srt.models.kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM.load_weights
+    edits:
+      - match: |
+          param = params_dict[mapped_name]
+        replacement: |
+          param = params_dict[mapped_name]
+          if mapped_name.endswith("kv_b_proj.weight"):
+              loaded_weight = loaded_weight * 2
+""")
+    acct, _ = account_mla(checkpoint(tmp_path), torch.float32)
+    assert acct.differs == ["model.midlayer.self_attn.kv_b_proj.weight"], acct.row("planted")
+
+
+@pytest.mark.meta
+def test_a_fused_piece_without_its_partner_is_dropped_silently(tmp_path, caplog):
+    """SGLang holds q_a_proj until kv_a_proj_with_mqa comes (kimi_k25_eagle3.py:467-492); when it never comes, the
+    held tensor is dropped without a warning and the fused parameter keeps its uninitialised memory."""
+    def edit(w, cfg):
+        del w["layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    with caplog.at_level(logging.WARNING, logger=SGLANG_MLA_LOGGER):
+        acct, _ = account_mla(checkpoint(tmp_path, edit=edit), torch.float32)
+    assert acct.dropped == ["layers.0.self_attn.q_a_proj.weight"], acct.row("planted")
+    assert acct.never_loaded == [FUSED], acct.row("planted")
+    assert not [r for r in caplog.records if "q_a_proj" in r.getMessage()], "SGLang warned after all"
+
+
+# ---------------------------------------------------------------- what SGLang does otherwise than training
+
+def test_input_norm_is_skipped_with_a_warning_only(tmp_path, caplog, repro):
+    """A norm_before_fc draft's input_norm: SGLang's MLA draft has nowhere to put it; its loader logs and goes on."""
+    def edit(w, cfg):
+        w["input_norm.weight"] = torch.linspace(0.5, 1.5, 3 * cfg["hidden_size"])
+    with caplog.at_level(logging.WARNING, logger=SGLANG_MLA_LOGGER):
+        acct, _ = account_mla(checkpoint(tmp_path, edit=edit), torch.float32)
+    assert acct.dropped == ["input_norm.weight"] and not acct.refused, acct.row("norm_before_fc")
+    # once per load: the adapter's, then the accounting's replay
+    assert {r.getMessage() for r in caplog.records if r.name == SGLANG_MLA_LOGGER} == {
+        "Eagle3 MLA: skipping unexpected weight input_norm.weight"}
+    with pytest.raises(KnownDivergenceHit):
+        settle_accounting(acct, PENDING, "sglang MLA weight accounting [norm_before_fc]", repro)
+
+
+@pytest.mark.meta
+def test_the_input_norm_entry_hides_no_other_dropped_tensor(tmp_path, repro):
+    def edit(w, cfg):
+        w["input_norm.weight"] = torch.ones(3 * cfg["hidden_size"])
+        w["layers.0.self_attn.q_norm.weight"] = torch.ones(cfg["qk_nope_head_dim"])
+    acct, _ = account_mla(checkpoint(tmp_path, edit=edit), torch.float32)
+    with pytest.raises(AssertionError) as info:
+        settle_accounting(acct, PENDING, "sglang MLA weight accounting [planted]", repro)
+    assert not isinstance(info.value, KnownDivergenceHit)
+    assert "q_norm.weight" in str(info.value).split("registry:")[-1], str(info.value)
+
+
+def test_q_straight_from_the_input_is_refused(tmp_path, repro):
+    """`q_lora_rank: null` (q_proj, as training allows): SGLang's own words, matched by the pending load entry."""
+    acct, model = account_mla(checkpoint(tmp_path, q_lora_rank=None), torch.float32)
+    assert model is None and acct.refused == "Eagle3 MLA layer requires q_lora_rank in the draft config", acct.row("q")
+    with pytest.raises(KnownDivergenceHit):
+        settle_accounting(acct, PENDING, "sglang MLA weight accounting [q_lora_rank null]", repro)
+
+
+@pytest.mark.meta
+def test_the_q_lora_entry_matches_only_its_message(tmp_path, repro):
+    from dataclasses import replace
+
+    acct, _ = account_mla(checkpoint(tmp_path, q_lora_rank=None), torch.float32)
+    other = replace(PENDING_BY_ID["sglang-mla-requires-q-lora"], message="requires kv_lora_rank")
+    with pytest.raises(AssertionError) as info:
+        settle_accounting(acct, (other,), "sglang MLA weight accounting [planted]", repro)
+    assert not isinstance(info.value, KnownDivergenceHit), str(info.value)
+
+
+def test_an_absent_q_lora_rank_is_deepseeks_default(tmp_path):
+    """No q_lora_rank key at all: SGLang reads the draft through DeepseekV3Config (model_type kimi_k2,
+    utils/hf_transformers/common.py:229-233), whose default q_lora_rank is 1536, and builds the q LoRA path; a
+    q_proj checkpoint then loads into nothing. The q_proj is skipped with a warning, its kv_a_proj_with_mqa is
+    held for a q_a_proj that never comes and dropped silently; the q path keeps uninitialised memory."""
+    acct, model = account_mla(checkpoint(tmp_path, q_lora_rank=ABSENT), torch.float32)
+    assert model.model.midlayer.self_attn.q_lora_rank == 1536
+    assert acct.dropped == ["layers.0.self_attn.kv_a_proj_with_mqa.weight", "layers.0.self_attn.q_proj.weight"], \
+        acct.row("absent")
+    assert acct.never_loaded == [FUSED, "model.midlayer.self_attn.q_a_layernorm.weight",
+                                 "model.midlayer.self_attn.q_b_proj.weight"], acct.row("absent")
+
+
+@pytest.mark.parametrize("draft_vocab_size,lm_head", [
+    (61, "checkpoint lm_head"),
+    (ABSENT, "the target's lm_head (no draft_vocab_size, kimi_k25_eagle3.py:355-358)"),
+], ids=["with_draft_vocab_size", "without"])
+def test_lm_head_comes_from_the_target_without_draft_vocab_size(draft_vocab_size, lm_head, tmp_path):
+    """The registry's `sglang-lm-head-from-target-without-draft-vocab` (settings, asserted) observed on the MLA class:
+    without draft_vocab_size its serving worker replaces the trained lm_head (and embedding) with the target's
+    (eagle_worker_v2.py:355-360). Either way the checkpoint's own lm_head lands here."""
+    acct, model = account_mla(checkpoint(tmp_path, draft_vocab_size=draft_vocab_size), torch.float32)
+    assert acct.uses["lm_head"] == lm_head and not acct.problems, acct.row(str(draft_vocab_size))
+    assert model.load_lm_head_from_target is (draft_vocab_size is ABSENT)
+
+
+@pytest.mark.meta
+def test_a_head_kept_without_draft_vocab_size_is_seen(tmp_path, monkeypatch):
+    """Planted: SGLang's class keeps its own head without draft_vocab_size; the reading above sees it. (Its
+    __init__ calls super(), which source_patcher cannot recompile: the plant wraps it instead.)"""
+    from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
+
+    built = Eagle3DeepseekV2ForCausalLM.__init__
+
+    def keeps_its_head(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        self.load_lm_head_from_target = False
+    monkeypatch.setattr(Eagle3DeepseekV2ForCausalLM, "__init__", keeps_its_head)
+    acct, _ = account_mla(checkpoint(tmp_path, draft_vocab_size=ABSENT), torch.float32)
+    assert acct.uses["lm_head"] == "checkpoint lm_head", acct.uses
