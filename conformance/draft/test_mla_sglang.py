@@ -2,7 +2,9 @@
 tiny draft shaped like the published Kimi-K2.5 one (fixtures/mla.py), built and loaded by SGLang's own class and
 `load_weights`, and accounted for tensor by tensor (conformance/adapters/sglang/weights.py): every checkpoint
 tensor lands bit for bit (q_a_proj and kv_a_proj_with_mqa in their rows of the fused parameter SGLang builds),
-or is named. What SGLang does otherwise than training is stated as registry entries (PENDING, below).
+or is named. What SGLang does otherwise than training is stated as registry entries (PENDING, below). Then its
+step 0 over its own MLA KV pool (conformance/adapters/sglang/mla.py): the attention's stages against the
+reference's `mla_attention` on the same attention input, in fp32.
 """
 from __future__ import annotations
 
@@ -11,10 +13,14 @@ import logging
 import pytest
 import torch
 
+from conformance.adapters.sglang.mla import mla_step0
 from conformance.adapters.sglang.weights import account_mla
+from conformance.core.compare import compare_tensors
 from conformance.core.matching import KnownDivergenceHit, settle_accounting
 from conformance.core.registry import Known
 from fixtures.mla import ABSENT, LAYOUTS, make_mla_config, make_mla_weights, write_mla_checkpoint
+from reference import eagle3 as ref
+from reference.rope import rope_cos_sin
 
 pytestmark = pytest.mark.cpu
 SEED = 20260
@@ -216,3 +222,99 @@ def test_a_head_kept_without_draft_vocab_size_is_seen(tmp_path, monkeypatch):
     monkeypatch.setattr(Eagle3DeepseekV2ForCausalLM, "__init__", keeps_its_head)
     acct, _ = account_mla(checkpoint(tmp_path, draft_vocab_size=ABSENT), torch.float32)
     assert acct.uses["lm_head"] == "checkpoint lm_head", acct.uses
+
+
+# ---------------------------------------------------------------- step 0: the attention over SGLang's MLA pool
+
+ATTENTION_STAGES = ("layers.0.q_latent", "layers.0.kv_latent", "layers.0.k_rope", "layers.0.attn_out")
+LENGTHS = [5, 3]   # two requests, packed
+F32 = torch.float32
+
+
+def reference_mla(cfg: dict) -> ref.MLAConfig:
+    """The draft config as training reads it (DeepseekV3Config's names and defaults; yarn's legacy `type` key)."""
+    from inspect import signature
+
+    from transformers import DeepseekV3Config
+
+    scaling = dict(cfg["rope_scaling"])
+    scaling["rope_type"] = scaling.pop("type")
+    defaults = signature(DeepseekV3Config.__init__).parameters
+    return ref.MLAConfig(
+        num_attention_heads=cfg["num_attention_heads"], q_lora_rank=cfg["q_lora_rank"],
+        kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"], rms_norm_eps=cfg["rms_norm_eps"],
+        rope_theta=cfg["rope_theta"], rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", defaults["max_position_embeddings"].default),
+        rope_interleave=cfg.get("rope_interleave", defaults["rope_interleave"].default))
+
+
+def attention_results(tmp_path, offset: int):
+    """SGLang's step 0 on two seeded requests starting at position `offset`, and each attention stage compared
+    (fp32) with the reference's mla_attention fed SGLang's own attention input."""
+    cfg = make_mla_config()
+    weights = make_mla_weights(cfg, torch.Generator().manual_seed(SEED))
+    _, model = account_mla(write_mla_checkpoint(tmp_path / "draft", cfg, weights), F32)
+    g = torch.Generator().manual_seed(SEED + 1)
+    T, H = sum(LENGTHS), cfg["hidden_size"]
+    aux = torch.randn(T, 3 * H, generator=g)
+    input_ids = torch.randint(0, cfg["vocab_size"], (T,), generator=g)
+    index = torch.cat([torch.arange(n) for n in LENGTHS])
+    seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])
+    seen = mla_step0(model, aux, input_ids, index + offset, LENGTHS)
+
+    mla = reference_mla(cfg)
+    cos, sin = rope_cos_sin(mla, index + offset, F32)
+    _, expected = ref.mla_attention(seen["layers.0.attn_in"], weights, "layers.0", mla, cos, sin, ([], []),
+                                    ref.visibility(seq_ids, index, step=0, window=None))
+    return [compare_tensors(0, s, seen[s], expected[s], F32) for s in ATTENTION_STAGES]
+
+
+def first_failed(results):
+    return next((r for r in results if r.failed), None)
+
+
+@pytest.mark.parametrize("offset", [3, 200], ids=["positions_from_3", "deep_positions"])
+def test_mla_attention_at_step0_matches_the_reference(offset, tmp_path):
+    """Deep positions: past yarn's original context (64), within the scaled one (x factor 4), the extent of
+    SGLang's cos/sin cache (layers/rotary_embedding/rope_variant.py:406-411: original context x factor)."""
+    results = attention_results(tmp_path, offset)
+    bad = first_failed(results)
+    assert bad is None, (f"sglang MLA draft diverges from the reference at step 0 `{bad.stage}`: max abs "
+                         f"{bad.max_abs:.3e} at {bad.abs_index} {bad.detail}")
+
+
+# Faults planted in SGLang's own absorbed-MLA code (forward_mla.py) through its source_patcher: each must be
+# the first divergence, at exactly its stage.
+MLA_PREPARE = ("sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla."
+               "DeepseekMLAForwardMixin.forward_absorb_prepare")
+PLANTED_MLA = {
+    # the latent's kv_a_layernorm skipped (what the pool caches is the raw latent)
+    "latent_norm_skipped": ("layers.0.kv_latent", """
+          q = self.q_a_layernorm(q)
+          k_nope = self.kv_a_layernorm(k_nope)
+        replacement: |
+          q = self.q_a_layernorm(q)
+"""),
+    # the rope slice of q and of the shared key left unrotated
+    "rope_not_rotated": ("layers.0.k_rope", """
+          ):
+              q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        replacement: |
+          ):
+              pass
+"""),
+}
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("plant", list(PLANTED_MLA))
+def test_a_planted_mla_fault_fails_at_its_stage(plant, tmp_path, patched_sglang):
+    stage, edit = PLANTED_MLA[plant]
+    patched_sglang(f"""
+patches:
+  - target: {MLA_PREPARE}
+    edits:
+      - match: |{edit}""")
+    bad = first_failed(attention_results(tmp_path, 3))
+    assert bad is not None and bad.stage == stage, f"planted {plant}: first divergence {bad and bad.stage}"
