@@ -135,6 +135,25 @@ def test_a_fused_piece_without_its_partner_is_dropped_silently(tmp_path, caplog)
     assert not [r for r in caplog.records if "q_a_proj" in r.getMessage()], "SGLang warned after all"
 
 
+@pytest.mark.parametrize("names", ["fc_norm", "aux_norm"], ids=["fc_norm_names", "legacy_aux_norm_names"])
+def test_eagle31_fc_norm_lands_under_its_own_names_only(names, tmp_path):
+    """EAGLE-3.1's per-aux norms (`fc_norm: true`, read by Eagle3MLAModel, kimi_k25_eagle3.py:228-241) land under
+    `fc_norm.{i}`. The legacy `aux_norm_low/mid/high` names, which SGLang's Llama draft maps onto them
+    (llama_eagle3.py:337-347), this loader does not map: skipped with a warning, the norms keep their init."""
+    legacy = ("aux_norm_low", "aux_norm_mid", "aux_norm_high")
+
+    def edit(w, cfg):
+        for i in range(3):
+            w[f"fc_norm.{i}.weight" if names == "fc_norm" else f"{legacy[i]}.weight"] = \
+                torch.linspace(0.5 + i, 1.5 + i, cfg["hidden_size"])
+    acct, _ = account_mla(checkpoint(tmp_path, edit=edit, fc_norm=True, norm_output=True), torch.float32)
+    norms = [f"model.fc_norm.{i}.weight" for i in range(3)]
+    if names == "fc_norm":
+        assert not acct.problems and {p for _, p in acct.landed} >= set(norms), acct.row(names)
+    else:
+        assert acct.dropped == sorted(f"{n}.weight" for n in legacy) and acct.never_loaded == norms, acct.row(names)
+
+
 # ---------------------------------------------------------------- what SGLang does otherwise than training
 
 def test_input_norm_is_skipped_with_a_warning_only(tmp_path, caplog, repro):
