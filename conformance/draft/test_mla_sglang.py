@@ -18,6 +18,7 @@ from conformance.adapters.sglang.weights import account_mla
 from conformance.core.compare import compare_tensors
 from conformance.core.matching import KnownDivergenceHit, settle_accounting
 from conformance.core.registry import Known
+from conformance.core.tolerances import AGAINST, DTYPES
 from fixtures.mla import ABSENT, LAYOUTS, make_mla_config, make_mla_weights, write_mla_checkpoint
 from reference import eagle3 as ref
 from reference.rope import rope_cos_sin
@@ -268,12 +269,13 @@ def reference_mla(cfg: dict) -> ref.MLAConfig:
         rope_interleave=cfg.get("rope_interleave", defaults["rope_interleave"].default))
 
 
-def attention_results(tmp_path, offset: int):
-    """SGLang's step 0 on two seeded requests starting at position `offset`, and each attention stage compared
-    (fp32) with the reference's mla_attention fed SGLang's own attention input."""
+def attention_results(tmp_path, offset: int, dtype: torch.dtype = F32):
+    """SGLang's step 0 in `dtype` on two seeded requests starting at position `offset`, and each attention stage
+    compared with the reference's mla_attention fed SGLang's own attention input, in the dtype the suite holds
+    `dtype` against (tolerances.AGAINST: fp32 itself, bf16 the fp64 reference)."""
     cfg = make_mla_config()
     weights = make_mla_weights(cfg, torch.Generator().manual_seed(SEED))
-    _, model = account_mla(write_mla_checkpoint(tmp_path / "draft", cfg, weights), F32)
+    _, model = account_mla(write_mla_checkpoint(tmp_path / "draft", cfg, weights), dtype)
     g = torch.Generator().manual_seed(SEED + 1)
     T, H = sum(LENGTHS), cfg["hidden_size"]
     aux = torch.randn(T, 3 * H, generator=g)
@@ -282,11 +284,12 @@ def attention_results(tmp_path, offset: int):
     seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])
     seen = mla_step0(model, aux, input_ids, index + offset, LENGTHS)
 
-    mla = reference_mla(cfg)
-    cos, sin = rope_cos_sin(mla, index + offset, F32)
-    _, expected = ref.mla_attention(seen["layers.0.attn_in"], weights, "layers.0", mla, cos, sin, ([], []),
+    mla, against = reference_mla(cfg), AGAINST[dtype]
+    cos, sin = rope_cos_sin(mla, index + offset, against)
+    w = {k: v.to(against) for k, v in weights.items() if v.is_floating_point()}
+    _, expected = ref.mla_attention(seen["layers.0.attn_in"].to(against), w, "layers.0", mla, cos, sin, ([], []),
                                     ref.visibility(seq_ids, index, step=0, window=None))
-    return [compare_tensors(0, s, seen[s], expected[s], F32) for s in ATTENTION_STAGES]
+    return [compare_tensors(0, s, seen[s], expected[s], dtype) for s in ATTENTION_STAGES]
 
 
 def first_failed(results):
@@ -294,10 +297,11 @@ def first_failed(results):
 
 
 @pytest.mark.parametrize("offset", [3, 200], ids=["positions_from_3", "deep_positions"])
-def test_mla_attention_at_step0_matches_the_reference(offset, tmp_path):
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+def test_mla_attention_at_step0_matches_the_reference(dtype_name, offset, tmp_path):
     """Deep positions: past yarn's original context (64), within the scaled one (x factor 4), the extent of
     SGLang's cos/sin cache (layers/rotary_embedding/rope_variant.py:406-411: original context x factor)."""
-    results = attention_results(tmp_path, offset)
+    results = attention_results(tmp_path, offset, DTYPES[dtype_name])
     bad = first_failed(results)
     assert bad is None, (f"sglang MLA draft diverges from the reference at step 0 `{bad.stage}`: max abs "
                          f"{bad.max_abs:.3e} at {bad.abs_index} {bad.detail}")
@@ -328,12 +332,13 @@ PLANTED_MLA = {
 
 @pytest.mark.meta
 @pytest.mark.parametrize("plant", list(PLANTED_MLA))
-def test_a_planted_mla_fault_fails_at_its_stage(plant, tmp_path, patched_sglang):
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+def test_a_planted_mla_fault_fails_at_its_stage(dtype_name, plant, tmp_path, patched_sglang):
     stage, edit = PLANTED_MLA[plant]
     patched_sglang(f"""
 patches:
   - target: {MLA_PREPARE}
     edits:
       - match: |{edit}""")
-    bad = first_failed(attention_results(tmp_path, 3))
+    bad = first_failed(attention_results(tmp_path, 3, DTYPES[dtype_name]))
     assert bad is not None and bad.stage == stage, f"planted {plant}: first divergence {bad and bad.stage}"
