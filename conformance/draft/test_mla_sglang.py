@@ -155,6 +155,29 @@ def test_eagle31_fc_norm_lands_under_its_own_names_only(names, tmp_path):
         assert acct.dropped == sorted(f"{n}.weight" for n in legacy) and acct.never_loaded == norms, acct.row(names)
 
 
+@pytest.mark.parametrize("architecture,mla", [("Eagle3DeepseekV2ForCausalLM", True),
+                                               ("Eagle3DeepseekV3ForCausalLM", False)], ids=["v2_name", "v3_name"])
+def test_the_model_runner_reads_the_draft_as_mla(architecture, mla, tmp_path):
+    """What SGLang's model runner sizes the draft's KV pool from (ModelConfig: model_config.py:1392-1400) and the aux
+    ids it hands the target (eagle_config). The published name is MLA; vLLM's other name for the same draft
+    (`Eagle3DeepseekV3ForCausalLM`, vLLM 0.33.0 model_executor/models/registry.py:712-713) is neither MLA here nor
+    loadable."""
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig
+
+    from conformance.adapters.sglang.target import AuxIds, sglang_aux_layer_ids
+
+    cfg = make_mla_config(architectures=[architecture])
+    draft = checkpoint(tmp_path, architectures=[architecture])
+    read = ModelConfig(str(draft), is_draft_model=True, speculative_algorithm="EAGLE3", trust_remote_code=False)
+    assert (read.attention_arch == AttentionArch.MLA) is mla
+    assert sglang_aux_layer_ids(draft) == AuxIds(True, tuple(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]))
+    if mla:
+        assert (read.kv_lora_rank, read.qk_rope_head_dim) == (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])
+    else:
+        acct, model = account_mla(draft, torch.float32)
+        assert model is None and architecture in acct.refused, acct.row(architecture)
+
+
 # ---------------------------------------------------------------- what SGLang does otherwise than training
 
 def test_input_norm_is_skipped_with_a_warning_only(tmp_path, caplog, repro):
