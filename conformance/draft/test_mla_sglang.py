@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from conformance.adapters.sglang.mla import mla_step0
+from conformance.adapters.sglang.mla import mla_chain
 from conformance.adapters.sglang.weights import account_mla
 from conformance.core.compare import compare_tensors
 from conformance.core.matching import KnownDivergenceHit, settle_accounting
@@ -292,10 +292,12 @@ def reference_mla(cfg: dict) -> ref.MLAConfig:
         rope_interleave=cfg.get("rope_interleave", defaults["rope_interleave"].default))
 
 
-def attention_results(tmp_path, offset: int, dtype: torch.dtype = F32):
-    """SGLang's step 0 in `dtype` on two seeded requests starting at position `offset`, and each attention stage
-    compared with the reference's mla_attention fed SGLang's own attention input, in the dtype the suite holds
-    `dtype` against (tolerances.AGAINST: fp32 itself, bf16 the fp64 reference)."""
+def attention_results(tmp_path, offset: int, dtype: torch.dtype = F32, steps: int = 1):
+    """SGLang's chain in `dtype` (step 0, then teacher-forced DECODE steps) on two seeded requests starting at
+    position `offset`; each attention stage of each step compared with the reference's mla_attention fed SGLang's
+    own attention input, in the dtype the suite holds `dtype` against (tolerances.AGAINST: fp32 itself, bf16 the
+    fp64 reference). At step k >= 1 SGLang runs each request's last row only; the reference runs every row (its
+    other rows' inputs zero: a row's step-k key is visible to that row alone) and its last rows are compared."""
     cfg = make_mla_config()
     weights = make_mla_weights(cfg, torch.Generator().manual_seed(SEED))
     _, model = account_mla(write_mla_checkpoint(tmp_path / "draft", cfg, weights), dtype)
@@ -303,16 +305,26 @@ def attention_results(tmp_path, offset: int, dtype: torch.dtype = F32):
     T, H = sum(LENGTHS), cfg["hidden_size"]
     aux = torch.randn(T, 3 * H, generator=g)
     input_ids = torch.randint(0, cfg["vocab_size"], (T,), generator=g)
+    next_ids = torch.randint(0, cfg["vocab_size"], (len(LENGTHS), steps - 1), generator=g)
     index = torch.cat([torch.arange(n) for n in LENGTHS])
     seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])
-    seen = mla_step0(model, aux, input_ids, index + offset, LENGTHS)
+    last = torch.tensor(LENGTHS).cumsum(0) - 1
+    seen = mla_chain(model, aux, input_ids, index + offset, LENGTHS, next_ids if steps > 1 else None)
 
     mla, against = reference_mla(cfg), AGAINST[dtype]
-    cos, sin = rope_cos_sin(mla, index + offset, against)
     w = {k: v.to(against) for k, v in weights.items() if v.is_floating_point()}
-    _, expected = ref.mla_attention(seen["layers.0.attn_in"].to(against), w, "layers.0", mla, cos, sin, ([], []),
-                                    ref.visibility(seq_ids, index, step=0, window=None))
-    return [compare_tensors(0, s, seen[s], expected[s], dtype) for s in ATTENTION_STAGES]
+    cache: tuple[list, list] = ([], [])
+    results = []
+    for k, at in enumerate(seen):
+        x = at["layers.0.attn_in"].to(against)
+        if k:
+            x = torch.zeros(T, x.shape[1], dtype=against).index_copy(0, last, x)
+        cos, sin = rope_cos_sin(mla, index + offset + k, against)
+        _, expected = ref.mla_attention(x, w, "layers.0", mla, cos, sin, cache,
+                                        ref.visibility(seq_ids, index, step=k, window=None))
+        rows = slice(None) if k == 0 else last
+        results += [compare_tensors(k, s, at[s], expected[s][rows], dtype) for s in ATTENTION_STAGES]
+    return results
 
 
 def first_failed(results):
@@ -325,8 +337,20 @@ def test_mla_attention_at_step0_matches_the_reference(dtype_name, offset, tmp_pa
     """Deep positions: past yarn's original context (64), within the scaled one (x factor 4), the extent of
     SGLang's cos/sin cache (layers/rotary_embedding/rope_variant.py:406-411: original context x factor)."""
     results = attention_results(tmp_path, offset, DTYPES[dtype_name])
+    assert_conforms(results)
+
+
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+def test_mla_attention_over_three_teacher_forced_steps_matches_the_reference(dtype_name, tmp_path):
+    """K = 3: steps 1 and 2 are SGLang's DECODE passes over its pool (the request's step-0 latents and its own
+    earlier draft tokens), at positions last + k."""
+    assert_conforms(attention_results(tmp_path, 3, DTYPES[dtype_name], steps=3))
+
+
+def assert_conforms(results):
+    __tracebackhide__ = True
     bad = first_failed(results)
-    assert bad is None, (f"sglang MLA draft diverges from the reference at step 0 `{bad.stage}`: max abs "
+    assert bad is None, (f"sglang MLA draft diverges from the reference at step {bad.step} `{bad.stage}`: max abs "
                          f"{bad.max_abs:.3e} at {bad.abs_index} {bad.detail}")
 
 
@@ -365,3 +389,21 @@ patches:
       - match: |{edit}""")
     bad = first_failed(attention_results(tmp_path, 3, DTYPES[dtype_name]))
     assert bad is not None and bad.stage == stage, f"planted {plant}: first divergence {bad and bad.stage}"
+
+
+@pytest.mark.meta
+def test_a_decode_only_fault_fails_at_step_1(tmp_path, patched_sglang):
+    """Planted in SGLang's torch_native DECODE: the softmax scale doubled. Step 0's first-token DECODE attends to one
+    key (a softmax of one is 1 whatever the scale), so the first divergence is step 1's attention output."""
+    patched_sglang("""
+patches:
+  - target: sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode
+    edits:
+      - match: |
+          scaling=layer.scaling,
+        replacement: |
+          scaling=layer.scaling * 2,
+""")
+    bad = first_failed(attention_results(tmp_path, 3, F32, steps=3))
+    assert bad is not None and (bad.step, bad.stage) == (1, "layers.0.attn_out"), \
+        f"first divergence {bad and (bad.step, bad.stage)}"
