@@ -1,10 +1,11 @@
-"""SGLang's MLA EAGLE-3 draft (models/kimi_k25_eagle3.py, `Eagle3DeepseekV2ForCausalLM`) at step 0, in-process on
-CPU over its own MLA KV pool (`MLATokenToKVPool`) and attention backend, with the attention's stages recorded.
+"""SGLang's MLA EAGLE-3 draft (models/kimi_k25_eagle3.py, `Eagle3DeepseekV2ForCausalLM`) drafting a chain, in-process
+on CPU over its own MLA KV pool (`MLATokenToKVPool`) and attention backend, with the attention's stages recorded.
 
-Each request's first token is a DECODE pass and the rest an EXTEND over that cached token: on torch_native an
+At step 0 each request's first token is a DECODE pass and the rest an EXTEND over that cached token: on torch_native an
 MLA EXTEND with no cached prefix takes the MHA path, which re-reads the latent cache and fails (the same split
 as SGLang's DeepSeek target here, target.py; running-real-implementations.md). Both passes take SGLang's absorbed
-MLA path, which a server takes for every draft pass but a no-prefix prefill. Stages come from forward hooks on
+MLA path, which a server takes for every draft pass but a no-prefix prefill; steps >= 1 are DECODE passes on each
+request's last token, as in serving (drafting.py's chain for the Llama draft). Stages come from forward hooks on
 SGLang's own modules (the attention's input and output, q_a_layernorm) and from what its KV pool holds after the
 passes (kv_latent and k_rope: the two pieces an MLA pool caches per token).
 """
