@@ -19,7 +19,8 @@ from conformance.core.compare import compare_tensors
 from conformance.core.matching import KnownDivergenceHit, settle_accounting
 from conformance.core.registry import Known
 from conformance.core.tolerances import AGAINST, DTYPES
-from fixtures.mla import ABSENT, LAYOUTS, make_mla_config, make_mla_weights, write_mla_checkpoint
+from fixtures.mla import (ABSENT, LAYOUTS, TINY, TINY_ROPE, make_mla_config, make_mla_weights,
+                          write_mla_checkpoint)
 from reference import eagle3 as ref
 from reference.rope import rope_cos_sin
 
@@ -69,6 +70,23 @@ def patched_sglang():
 
 
 # ---------------------------------------------------------------- as published: every tensor lands
+
+@pytest.mark.meta
+def test_the_tiny_draft_is_the_published_config_made_small():
+    """Every key of the published config and no other, each size smaller, every other value as published."""
+    import json
+
+    from fixtures.mla import PUBLISHED
+
+    published, tiny = json.loads(PUBLISHED.read_text()), make_mla_config()
+    assert tiny.keys() == published.keys()
+    changed = {k for k in published if tiny[k] != published[k]}
+    assert changed <= {*TINY, "rope_scaling", "eagle_config"}, sorted(changed)
+    for key in changed & {k for k, v in published.items() if isinstance(v, int) and not isinstance(v, bool)}:
+        assert tiny[key] < published[key], key
+    assert {k: v for k, v in tiny["rope_scaling"].items() if k not in TINY_ROPE} == \
+        {k: v for k, v in published["rope_scaling"].items() if k not in TINY_ROPE}
+
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_mla_tensor_lands_bit_for_bit(layout, tmp_path, repro):
