@@ -29,7 +29,8 @@ WORKFLOW = ROOT / ".github" / "workflows" / "conformance.yml"
 GPU_SKIP_REASON = "gpu: torch.cuda.is_available() is False"
 # The modules with gpu tests (collecting only them keeps this self-test quick; the gate in conformance/plugin.py
 # acts on whatever `-m gpu` selects).
-GPU_MODULES = ("conformance/draft/test_gpu.py", "conformance/throughput/test_throughput.py")
+GPU_MODULES = ("conformance/draft/test_gpu.py", "conformance/throughput/test_throughput.py",
+               "conformance/engine/test_engine_gpu.py")
 
 
 def run_pytest(*args: str) -> subprocess.CompletedProcess:

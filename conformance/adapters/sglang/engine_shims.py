@@ -121,7 +121,11 @@ class Capture:
         os.replace(tmp, name)   # a reader never sees half a file
         self.seq += 1
 
-    def install(self) -> None:
+    def install(self, passes: bool = True) -> None:
+        """passes=False: the rounds only (drafted tokens, what verify accepted), not the draft model's passes. On a
+        CUDA runner the draft's decode passes replay a CUDA graph, which runs no Python of the model, and a
+        device-to-host copy inside a graph being captured is an error; the tokens are read outside any graph
+        (eagle_worker_v2.py:693-729: draft() calls build_eagle_verify_input after the graph's replay)."""
         from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
         from sglang.srt.speculative import eagle_worker_v2
         from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
@@ -172,7 +176,8 @@ class Capture:
 
         EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
         eagle_worker_v2.build_eagle_verify_input = build_verify_input_recorded
-        LlamaForCausalLMEagle3.forward = model_forward_recorded
+        if passes:
+            LlamaForCausalLMEagle3.forward = model_forward_recorded
 
     def served(self, model) -> "ServedDraft":
         if id(model) not in self.drafts:
