@@ -37,6 +37,7 @@ class EngineGroup:
     scenarios: tuple[Scenario, ...]
     chunked_prefill_size: int | None = None
     tp_size: int = 1                                # --tp-size: ranks, a scheduler process each
+    page_size: int = 1                              # --page-size: KV tokens per page (paged KV, radix per page)
     env: dict = field(default_factory=dict)         # SGLang's own debug switches (planted faults)
     fault_yaml: str | None = None                   # a source_patcher config (planted faults)
 
@@ -47,6 +48,8 @@ class EngineGroup:
             args["chunked_prefill_size"] = self.chunked_prefill_size
         if self.tp_size > 1:
             args["tp_size"] = self.tp_size
+        if self.page_size > 1:
+            args["page_size"] = self.page_size
         return args
 
     @property
@@ -79,12 +82,22 @@ GROUPS = (
         Scenario("tree_k2_s3", "tree of topk 2, 3 steps, 6 draft tokens", _two(12)),)),
 )
 # The heavy groups (`make engine-full`, marker engine_full; never `make test`): tensor parallelism 2, each rank
-# a scheduler process of its own over gloo (start about 2.5 min on the 2-core host). TP_TWINS names the TP 1
-# scenario serving the same prompts at the same flags: the drafted tokens of every round must be identical.
+# a scheduler process of its own over gloo (start about 2.5 min on the 2-core host), and paged KV.
+# Paged KV (page size 16, the Triton backend's paged path): the batch at page 1's prompts, and a request whose
+# prompt and drafts cross page boundaries, served again with a longer one (the radix cache matches whole pages only).
 FULL_GROUPS = (
     EngineGroup("chain_k3_tp2", steps=3, topk=1, draft_tokens=4, tp_size=2, scenarios=(
         Scenario("batch_tp2", "TP 2 (two gloo ranks): three requests of 2, 5 and 9 tokens in one batch",
                  ((Prompt(4, 2), Prompt(5, 5), Prompt(6, 9)),)),)),
+    EngineGroup("chain_k3_page16", steps=3, topk=1, draft_tokens=4, page_size=16, scenarios=(
+        Scenario("batch_page16", "page size 16: three requests of 2, 5 and 9 tokens in one batch",
+                 ((Prompt(4, 2), Prompt(5, 5), Prompt(6, 9)),)),
+        Scenario("pages_page16", "page size 16: a prompt of 18 tokens drafting across pages, then it again and "
+                 "one of 35 tokens that shares its first page (a radix hit of one whole page)",
+                 ((Prompt(7, 18),), (Prompt(7, 18), Prompt(7, 35))), new_tokens=20),
+    )),
 )
-TP_TWINS = {"batch_tp2": "batch"}
+# The scenario at the same prompts and flags in the default configuration (TP 1, page size 1): every round's
+# drafted tokens must be identical.
+TWINS = {"batch_tp2": "batch", "batch_page16": "batch"}
 SCENARIOS = {s.id: (g, s) for g in GROUPS + FULL_GROUPS for s in g.scenarios}

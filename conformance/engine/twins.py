@@ -1,7 +1,7 @@
 """Two runs of the same requests compared token for token: what each round drafted and what verify accepted of
 it, and the accept accounting the server reported (verify count, accepted-draft histogram, accept length).
 
-The twins: an engine at TP 2 and at TP 1 (test_engine_tp.py); a CUDA configuration and its eager, non-overlap,
+The twins: an engine at TP 2 and at TP 1 (test_engine_full.py); a CUDA configuration and its eager, non-overlap,
 page-1 run (test_engine_gpu.py); a served run and the reference's simulation of it (the drafted tokens; its
 accounting is findings.RequestFinding.acceptance_failure). Rounds are compared up to the first that differs: later
 rounds start from other contexts. Every difference names the request and the round, each side by its name.

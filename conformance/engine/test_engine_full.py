@@ -1,6 +1,8 @@
-"""The engine lane at tensor parallelism 2: SGLang's real Engine with `tp_size=2` on CPU, each rank a scheduler
-process of its own over gloo (SGLang's own CPU TP path: model_runner.py adjust_config_with_unaligned_cpu_tp,
-gloo in distributed/parallel_state.py), held to the same oracle as TP 1 and to TP 1 itself.
+"""The engine lane's heavy configurations (scenarios.FULL_GROUPS), held to the same oracle as the default engine and
+to the default engine itself (scenarios.TWINS): tensor parallelism 2, SGLang's real Engine with `tp_size=2` on CPU,
+each rank a scheduler process of its own over gloo (SGLang's own CPU TP path: model_runner.py
+adjust_config_with_unaligned_cpu_tp, gloo in distributed/parallel_state.py), and paged KV (`page_size=16`, the
+Triton backend's paged path and page-granular radix matching).
 
 Heavy (the two-rank engine starts in about 2.5 minutes on the 2-core host): marked `engine_full`, run by
 `make engine-full`, never by `make test`.
@@ -13,13 +15,15 @@ import torch
 from conformance.engine.findings import scenario_findings
 from conformance.engine.lane import ENGINE
 from conformance.engine.reporting import record_group
-from conformance.engine.scenarios import FULL_GROUPS, SCENARIOS, TP_TWINS
+from conformance.engine.scenarios import FULL_GROUPS, SCENARIOS, TWINS
 from conformance.engine.served import served_rounds
 from conformance.engine.twins import twin_failures
 
 pytestmark = pytest.mark.engine_full
 
-TP_PARAMS = [pytest.param(g, s, id=s.id) for g in FULL_GROUPS if g.tp_size > 1 for s in g.scenarios]
+FULL_PARAMS = [pytest.param(g, s, id=s.id) for g in FULL_GROUPS for s in g.scenarios]
+TWIN_PARAMS = [p for p in FULL_PARAMS if p.values[1].id in TWINS]
+TP_PARAMS = [p for p in FULL_PARAMS if p.values[0].tp_size > 1]
 
 
 def served(lane, group, scenario, report):
@@ -31,25 +35,29 @@ def served(lane, group, scenario, report):
     return run, scenario_run, scenario_findings(lane, run, scenario_run)
 
 
-@pytest.mark.parametrize("group,scenario", TP_PARAMS)
-def test_tp_outputs_acceptance_and_rounds_equal_reference(group, scenario, engine_lane, report, repro):
-    """At TP 2 as at TP 1: outputs are the target's greedy continuation, SGLang's accept accounting equals
-    the reference's simulation, every round (rank 0's capture) equals the reference stage by stage."""
+@pytest.mark.parametrize("group,scenario", FULL_PARAMS)
+def test_outputs_acceptance_and_rounds_equal_reference(group, scenario, engine_lane, report, repro):
+    """At TP 2 or page size 16 as by default: outputs are the target's greedy continuation, SGLang's accept
+    accounting equals the reference's simulation, every round (rank 0's capture) equals the reference stage by
+    stage; SGLang serves the TP size and page size asked for."""
     run, _, findings = served(engine_lane, group, scenario, report)
     assert run.resolved.get("tp_size", group.tp_size) == group.tp_size
+    assert run.resolved.get("page_size") == group.page_size, run.resolved
     failures = [m for f in findings for m in (f.lossless_failure(), f.acceptance_failure(scenario.new_tokens),
                                               f.rounds_failure(repro)) if m]
     assert not failures, "\n\n".join(failures) + f"\n  repro: {repro}"
 
 
-@pytest.mark.parametrize("group,scenario", TP_PARAMS)
-def test_tp_drafts_what_tp1_drafts(group, scenario, engine_lane, report, repro):
+@pytest.mark.parametrize("group,scenario", TWIN_PARAMS)
+def test_drafts_what_the_default_engine_drafts(group, scenario, engine_lane, report, repro):
     """The drafted tokens and accepted drafts of every round, request by request, and SGLang's accept accounting,
-    identical to the TP 1 engine serving the same prompts at the same flags (scenarios.TP_TWINS)."""
+    identical to the default engine (TP 1, page size 1) serving the same prompts at the same flags
+    (scenarios.TWINS)."""
     _, scenario_run, _ = served(engine_lane, group, scenario, report)
-    twin_group, twin = SCENARIOS[TP_TWINS[scenario.id]]
+    twin_group, twin = SCENARIOS[TWINS[scenario.id]]
     _, twin_run, _ = served(engine_lane, twin_group, twin, report)
-    failures = twin_failures(scenario.id, scenario_run.requests, twin_run.requests, (f"TP {group.tp_size}", "TP 1"))
+    names = (f"TP {group.tp_size}", "TP 1") if group.tp_size > 1 else (f"page size {group.page_size}", "page size 1")
+    failures = twin_failures(scenario.id, scenario_run.requests, twin_run.requests, names)
     assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
 
 
