@@ -26,7 +26,7 @@ from conformance.core.matching import judge, known_param, settle
 from conformance.core.registry import Known, Neutralised, RegistryError, for_case
 from conformance.core.tolerances import AGAINST, DTYPES
 from fixtures.cases import DraftCase
-from fixtures.checkpoint import edited_copy, write_checkpoints
+from fixtures.checkpoint import edited_copy, unwritable, write_checkpoints
 from fixtures.tiny import make_batch, make_draft_weights
 from reference.eagle3 import DraftBatch
 
@@ -95,12 +95,14 @@ class DraftStore:
 def conformance_params(impls, dtype_names, cases, extra_id: str = "", steps: int | None = None):
     """pytest params impl x dtype x case; a registered load failure or divergence makes its param a strict
     xfail, unless it is registered at a step beyond the `steps` the test compares; a case the
-    implementation cannot express (its adapter's `unsupported`) is a skip with the adapter's reason."""
+    implementation cannot express (its adapter's `unsupported`, or no checkpoint of it in the format the
+    implementation loads) is a skip with the adapter's or the format's reason."""
     for impl in impls:
         for dtype_name in dtype_names:
             for case in cases:
                 ids = "-".join(p for p in (impl, dtype_name, extra_id, case.id) if p)
-                why = ADAPTERS[impl]().unsupported(case.config)
+                adapter = ADAPTERS[impl]()
+                why = adapter.unsupported(case.config) or unwritable(case.config, adapter.checkpoint_format)
                 if why:   # the implementation cannot even express the case: a skip naming why
                     yield pytest.param(impl, dtype_name, case, id=ids, marks=pytest.mark.skip(reason=why))
                 else:
