@@ -15,7 +15,7 @@ import torch
 
 import pytest
 
-from conformance.adapters import ADAPTERS, REFERENCE
+from conformance.adapters import ADAPTERS, REFERENCE, cannot_express
 from conformance.adapters.base import ServedBatch
 from conformance.core.trace import Trace, Unsupported
 from conformance.core.compare import Comparison, compare_traces
@@ -26,7 +26,7 @@ from conformance.core.matching import judge, known_param, settle
 from conformance.core.registry import Known, Neutralised, RegistryError, for_case
 from conformance.core.tolerances import AGAINST, DTYPES
 from fixtures.cases import DraftCase
-from fixtures.checkpoint import edited_copy, unwritable, write_checkpoints
+from fixtures.checkpoint import edited_copy, write_checkpoints
 from fixtures.tiny import make_batch, make_draft_weights
 from reference.eagle3 import DraftBatch
 
@@ -101,8 +101,7 @@ def conformance_params(impls, dtype_names, cases, extra_id: str = "", steps: int
         for dtype_name in dtype_names:
             for case in cases:
                 ids = "-".join(p for p in (impl, dtype_name, extra_id, case.id) if p)
-                adapter = ADAPTERS[impl]()
-                why = adapter.unsupported(case.config) or unwritable(case.config, adapter.checkpoint_format)
+                why = cannot_express(impl, case.config)
                 if why:   # the implementation cannot even express the case: a skip naming why
                     yield pytest.param(impl, dtype_name, case, id=ids, marks=pytest.mark.skip(reason=why))
                 else:

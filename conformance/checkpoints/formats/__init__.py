@@ -81,6 +81,16 @@ def config_json(cfg: Eagle3Config, fmt: str) -> dict:
     return MODULES[fmt].config_json(cfg)
 
 
+def unwritable(cfg: Eagle3Config, fmt: str) -> str | None:
+    """Why no checkpoint of `cfg` is written in format `fmt` (so an implementation that loads `fmt` cannot run the
+    case), or None."""
+    try:
+        config_json(cfg, fmt)
+    except ConversionError as exc:
+        return str(exc)
+    return None
+
+
 def from_canonical(name: str, fmt: str) -> str:
     """The name `fmt` stores the canonical tensor `name` under."""
     return MODULES[fmt].stored_name(name)
