@@ -5,7 +5,10 @@ This is the arbiter every implementation is compared against. It follows specula
 including the ones SGLang lacks (`norm_before_residual`, q/k/v bias, `input_layernorm` on layers
 >= 1, the qwen3 draft layers' q_norm/k_norm), and partial rotary. One code path, plain
 `softmax(QK^T/sqrt(d) + mask) V` attention, no side effects. MLA drafts' attention (DeepSeek's latent
-attention, `mla_attention` with its `MLAConfig`) is a separate block next to the Llama one.
+attention, `mla_attention` with its `MLAConfig`) is a separate block next to the Llama one: a draft with
+draft_arch "mla" runs it in every layer in place of the Llama attention, everything around it unchanged (the
+[embeds, hidden] input of layer 0, residuals, MLP, norms, the TTT recurrence; NeMo Automodel's
+DeepseekV3Eagle3DraftModel and SGLang's Eagle3DeepseekV2ForCausalLM are built so).
 
 Precision policy (one place): every matmul runs in the working dtype; RMSNorm and softmax upcast
 to fp32 (fp64 stays fp64) and cast back, as HF and SGLang do; RoPE angles and cos/sin are
@@ -342,7 +345,8 @@ class Eagle3Reference:
 
     def layer(self, i: int, h: torch.Tensor, embeds: torch.Tensor, cos, sin, cache, visible
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One decoder layer -> (its output, its stages); appends this step's k/v to cache[i]."""
+        """One decoder layer -> (its output, its stages); appends this step's k/v to cache[i] (MLA: the keys
+        [k_nope | shared rope key] and values per head, as training keeps them)."""
         cfg, w, p = self.cfg, self.w, f"layers.{i}"
         stages: dict[str, torch.Tensor] = {}
         if i == 0:

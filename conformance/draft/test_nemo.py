@@ -132,3 +132,41 @@ def test_steps_feed_back_what_nemo_feeds_back(drafts):
             assert torch.equal(trace.steps[k]["hidden_in"], trace.steps[k - 1]["recurrent_hidden"]), (case_id, k)
         fed = trace.steps[0]["recurrent_hidden"]
         assert torch.equal(fed, trace.steps[0]["final_norm"] if normed else trace.steps[0]["layers.0.layer_out"])
+
+
+# Planted into one loaded MLA draft's attention (Eagle3DeepseekMLAAttention.forward, draft_deepseek.py:208-228), the
+# TTT recurrence bugs multi-step drafting must catch, each at the step and stage where it acts: its keys turned at
+# the step-0 positions (no `position_ids + step_idx`, :219-222), and the keys of the steps between 0 and the current
+# one forgotten (only step 0's cache and its own kept), which training's diagonal attention reads (:245-258).
+def _without_step_offset(forward):
+    def planted(states, mask, position_ids, cache):
+        return forward(states, mask, position_ids - len(cache[0]), cache)
+    return planted
+
+
+def _forgetting_middle_steps(forward):
+    def planted(states, mask, position_ids, cache):
+        kept = [cache[0][:1], cache[1][:1]]   # NeMo appends this step's k/v to the list it is given
+        # its rotary offset is len(cache[0]) (:219): the positions make up for the steps dropped
+        out = forward(states, mask, position_ids + max(len(cache[0]) - 1, 0), kept)
+        cache[0].append(kept[0][-1])
+        cache[1].append(kept[1][-1])
+        return out
+    return planted
+
+
+@pytest.mark.parametrize("plant,step,stage", [(_without_step_offset, 1, "layers.0.k_rope"),
+                                              (_forgetting_middle_steps, 2, "layers.0.attn_core")],
+                         ids=["without_step_offset", "forgetting_middle_steps"])
+def test_a_planted_mla_recurrence_bug_shows_at_its_step_and_stage(plant, step, stage, drafts):
+    from conformance.adapters.nemo import NemoAdapter
+    from conformance.core.compare import compare_traces
+    from fixtures.cases import CASES_BY_ID
+
+    case, steps = CASES_BY_ID["ms_mla_q_lora"], 3
+    loaded = NemoAdapter().load(drafts.checkpoint(case)[nemo.NAME], torch.float32)
+    attn = loaded.model.model.layers[0].self_attn
+    attn.forward = plant(attn.forward)
+    actual = loaded.run(drafts.batch(case, steps), steps).on_cpu()
+    first = compare_traces(actual, drafts.trace("reference", case, torch.float32, steps), case.id).first_divergence
+    assert first is not None and (first.step, first.stage) == (step, stage), first
