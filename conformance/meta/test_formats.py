@@ -29,7 +29,8 @@ NEMO_CASES = [c for c in ALL_CASES if c.id in (
     "mlp_bias", "rope_llama3", "rope_yarn", "rope_linear", "deep_positions", "ms_gqa", "ms_norm_output",
     "ms_target_hidden", "ms_rope_yarn", "ms_positions_from_1", "ms_chunked_extend", "default_nemo_0_7",
     # and its MLA draft (draft_deepseek.py), interleaved RoPE only
-    "mla_q_lora", "mla_direct_q", "mla_rope_yarn", "ms_mla_q_lora", "ms_mla_direct_q_yarn")]
+    "mla_q_lora", "mla_direct_q", "mla_rope_yarn", "mla_rope_yarn_defaults", "mla_eagle3_1", "mla_deep_positions",
+    "ms_mla_q_lora", "ms_mla_direct_q_yarn", "ms_mla_eagle3_1")]
 LLAMA_LAYER_CASES = [c for c in ALL_CASES if c.config.draft_arch != "mla"]   # no MLA draft in SGLang's writers yet
 # formats that cannot express every case: trainers', and SGLang's for MLA drafts (formats/__init__.py NO_MLA)
 PARTIAL = {"specforge": SPECFORGE_CASES, "nemo": NEMO_CASES, "sglang": LLAMA_LAYER_CASES,
