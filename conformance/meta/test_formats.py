@@ -283,6 +283,25 @@ def test_sglang_rotates_the_full_head_when_the_factor_is_only_in_the_rope_block(
     assert not torch.equal(runs[0]["layers.0.k_rot"], runs[1]["layers.0.k_rot"]), "SGLang now reads rope_parameters"
 
 
+def test_mla_layers_are_read_from_model_type_and_the_mla_widths(tmp_path):
+    """A DeepseekV3Config layer stating kv_lora_rank is an MLA draft layer (draft_arch mla) in the speculators layout
+    (the reference's) and in NeMo's (its MLA draft: speculative/eagle/registry.py:88), whatever the layer's stated
+    num_key_value_heads; NeMo never trained rope_interleave false (its draft always interleaves)."""
+    cfg = CASES_BY_ID["mla_q_lora"].config
+    assert {"layers.0.self_attn.q_a_proj.weight", "layers.0.self_attn.kv_b_proj.weight"} <= set(expected_tensors(cfg))
+    raw = config_json(cfg, "speculators")
+    raw["transformer_layer_config"]["num_key_value_heads"] = 1   # DeepseekV3Config's MLA has no GQA
+    assert parse_config(raw, tmp_path / "config.json").config() == cfg
+    flat = config_json(cfg, "nemo")
+    assert flat["model_type"] == "deepseek_v3" and flat["architectures"] == ["LlamaEagle3DraftModel"]
+    assert parse_config(flat, tmp_path / "config.json").config() == cfg
+    flat["rope_interleave"] = False
+    problems = dict(parse_config(flat, tmp_path / "config.json").problems)
+    assert "NeMo did not train it" in problems.get("field rope_interleave", ""), problems
+    del flat["kv_lora_rank"]   # a DeepSeek-V3 target's config without MLA widths: not an MLA layer
+    assert parse_config(flat, tmp_path / "config.json").knobs["draft_arch"] == "llama"
+
+
 def test_qwen3_layers_are_read_from_model_type(tmp_path):
     """model_type qwen3 is speculators' draft_arch qwen3 (model_definitions.py:135-142); its MLP has no
     biases whatever the config says; SpecForge and the original EAGLE-3 trainer never trained it."""

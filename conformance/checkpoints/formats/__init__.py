@@ -7,11 +7,13 @@ keeps every tensor bit-exact and every knob.
 | format        | config.json                                          | tensor names                      |
 |---------------|------------------------------------------------------|-----------------------------------|
 | speculators   | speculators_model_type eagle3, transformer_layer_config | layers.i.*, fc_norm.j.*        |
+|               | (MLA drafts: a DeepseekV3Config layer, the suite's own; speculators has none) |          |
 | sglang        | flat, architectures LlamaForCausalLMEagle3           | layers.i.*, fc_norm.j.*           |
 | sglang-legacy | same, `use_aux_norm` for fc_norm                     | midlayer.*, aux_norm_low/mid/high |
 | specforge     | flat LlamaConfig export: no eagle_config, SpecForge's norm_output | midlayer.*, no embed_tokens |
 | eagle         | original EAGLE-3: LlamaForCausalLM + draft_vocab_size (read only) | midlayer.*           |
 | nemo          | the target's LlamaConfig, architectures LlamaEagle3DraftModel | model.*, one shard + index |
+|               | (MLA drafts: the target's DeepseekV3Config, same architectures) |                           |
 | nemo-sglang   | nemo's, architectures renamed by NeMo's serve_sglang (read only) | model.*, fewer layers than stated |
 """
 from __future__ import annotations

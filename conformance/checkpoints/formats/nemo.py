@@ -11,6 +11,9 @@ What the file says differently from what the draft is:
 - aux layer ids are not stated: NeMo's trainer captures `default_eagle3_aux_layer_ids(depth)` =
   outputs of layers [1, depth // 2 - 1, depth - 4] (target.py:42-61) unless the run set
   `recipe_args.aux_layer_ids`; in the training convention (input of layer i + 1) [2, depth // 2, depth - 3].
+MLA drafts (DeepseekV3Eagle3DraftModel, draft_deepseek.py: a DeepSeek-V3 target's draft) are saved the same way: the
+target's DeepseekV3Config with the draft keys and `architectures: ["LlamaEagle3DraftModel"]` (train_eagle3.py:613);
+model_type and the MLA widths (kv_lora_rank, ...) say which draft it is (speculative/eagle/registry.py:88).
 The writer refuses what NeMo cannot train (ConversionError naming it). Aux ids other than NeMo's default for
 the target depth (a run with recipe_args.aux_layer_ids) are not in NeMo's file: this writer adds them where
 SGLang reads them (`eagle_config`, output of layer i), as the SpecForge writer does, so a round trip keeps them.
@@ -116,6 +119,9 @@ def format_checks(knobs: dict, problems: list, notes: list) -> None:
     if knobs["sliding_window"] is not None:
         problems.append(("field sliding_window", f"{knobs['sliding_window']}: NeMo did not train it "
                                                  f"({CANNOT_EXPRESS['sliding_window']})"))
+    if knobs["draft_arch"] == "mla" and not knobs["rope_interleave"]:
+        problems.append(("field rope_interleave",
+                         f"false: NeMo did not train it ({CANNOT_EXPRESS['rope_interleave']})"))
     if knobs["partial_rotary_factor"] != 1:
         problems.append(("field partial_rotary_factor", f"{knobs['partial_rotary_factor']}: NeMo did not train it "
                                                         f"({CANNOT_EXPRESS['partial_rotary_factor']})"))
