@@ -59,9 +59,10 @@ check: $(if $(DRAFT),venv)
 lint: venv
 	$(VENV)/bin/ruff check .
 
-# The linter, the harness self-tests, the CPU conformance lane and the engine lane (SGLang's real Engine).
+# The linter, the harness self-tests, the CPU conformance lane and the engine lane (SGLang's real Engine). Not the
+# CUDA engine lane (marked engine and gpu: make engine-gpu), whose hundreds of tests would only skip here.
 test: venv lint
-	$(PYTEST) $(PARALLEL) -m "cpu or engine"
+	$(PYTEST) $(PARALLEL) -m "(cpu or engine) and not gpu"
 
 # The heavy server lanes, never part of `make test` (marker engine_full): tensor parallelism 2 on CPU through
 # SGLang's own distributed code over gloo, the draft forward with its target and draft sharded over two rank
@@ -72,6 +73,22 @@ test: venv lint
 .PHONY: engine-full
 engine-full: venv
 	$(PYTEST) -n0 -m engine_full --report=$(REPORT)/engine-full
+
+# The CUDA engine lane (docs/engine-lane.md "On a CUDA runner"), for a user's CUDA runner only: SGLang's CUDA kernels
+# (requirements-gpu.lock, --no-deps on top of requirements.lock), then the engine lane's chain scenarios in every
+# configuration of conformance/engine/gpu_matrix.py (3 attention backends x CUDA graphs x overlap x page size: 24
+# configurations, 5 engines each, one at a time: -n0). --require-gpu: no CUDA, or no CUDA kernels, is an error, not a
+# green run of skips. ENGINE_GPU_SELECT narrows it (-k), e.g. make engine-gpu ENGINE_GPU_SELECT=triton. Never run on
+# this project's hosts (no GPU, no CUDA kernels): its time is not measured.
+ENGINE_GPU_SELECT ?=
+.PHONY: engine-gpu
+$(VENV)/.installed-gpu: $(VENV)/.installed requirements-gpu.lock
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-gpu.lock
+	touch $@
+
+engine-gpu: venv $(VENV)/.installed-gpu
+	$(PYTEST) -n0 -m "engine and gpu" --require-gpu $(if $(ENGINE_GPU_SELECT),-k "$(ENGINE_GPU_SELECT)") \
+		--report=$(REPORT)/engine-gpu
 
 # The fuzz campaign's nightly profile (conformance/meta/test_fuzz_inputs.py; `make test` runs its ci profile, 200
 # mutants in process and 10 through real processes): 5,000 random mutants of every input the verdict reads, in

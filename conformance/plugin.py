@@ -44,7 +44,9 @@ def pytest_addoption(parser):
                     help="print the per-stage max abs/rel error table at the end (implied by --report, except on "
                          "your draft: --draft-checkpoint)")
     group.addoption("--require-gpu", action="store_true",
-                    help="fail, instead of skipping, gpu tests when CUDA is not available")
+                    help="fail, instead of skipping, gpu tests when CUDA is not available (and the CUDA engine "
+                         "lane's, -m \"engine and gpu\", when SGLang's CUDA kernels are not installed: "
+                         "requirements-gpu.lock)")
     group.addoption("--draft-checkpoint", metavar="DIR", default=None,
                     help="your EAGLE-3 draft (speculators, SGLang, legacy SGLang, SpecForge or EAGLE-3 format): runs "
                          "only the checks on your inputs and ends with one verdict (exit 0 served as trained, "
@@ -122,7 +124,8 @@ def outside_the_suite(config) -> bool:
 
 @pytest.hookimpl(tryfirst=True)   # before -m deselects: the lane markers decide it
 def pytest_collection_modifyitems(config, items):
-    """The one place that decides skips: gpu tests need CUDA; an implementation's own lane needs its environment."""
+    """The one place that decides skips: gpu tests need CUDA, the CUDA engine lane's (`engine` and `gpu`) SGLang's
+    CUDA kernels too; an implementation's own lane needs its environment."""
     own_lanes(config, items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
@@ -130,12 +133,29 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     if torch.cuda.is_available():
+        cuda_kernels(config, [item for item in gpu_items if item.get_closest_marker("engine")])
         return
     if config.getoption("--require-gpu"):
         raise pytest.UsageError(f"--require-gpu: {len(gpu_items)} gpu tests selected "
                                 "but torch.cuda.is_available() is False")
     skip = pytest.mark.skip(reason="gpu: torch.cuda.is_available() is False")
     for item in gpu_items:
+        item.add_marker(skip)
+
+
+def cuda_kernels(config, engine_items) -> None:
+    """The CUDA engine lane on a CUDA host without SGLang's CUDA kernels (requirements-gpu.lock): each test skips
+    with the line naming what is missing, and --require-gpu refuses the run with it."""
+    if not engine_items:
+        return
+    from conformance.adapters.sglang.engine_cuda import missing
+
+    if (why := missing()) is None:
+        return
+    if config.getoption("--require-gpu"):
+        raise pytest.UsageError(f"--require-gpu: {len(engine_items)} engine gpu tests selected but {why}")
+    skip = pytest.mark.skip(reason=why)
+    for item in engine_items:
         item.add_marker(skip)
 
 

@@ -47,3 +47,22 @@ def served_lanes(tmp_path_factory):
             lanes[engine.NAME] = ServedLane(engine, tmp_path_factory.mktemp(f"{engine.NAME}-engine"))
         return lanes[engine.NAME]
     return lane
+
+
+@pytest.fixture(scope="session")
+def gpu_lanes(trained_draft, tmp_path_factory):
+    """config -> the CUDA engine lane of that configuration (conformance/engine/gpu_lane.py), each started when first
+    asked for; one reference side shared by all, no engine of its own."""
+    from conformance.engine.gpu_lane import GpuEngineLane
+    from conformance.engine.lane import EngineLane
+
+    shared = EngineLane(trained_draft, tmp_path_factory.mktemp("engine-gpu"))
+    lanes = {}
+
+    def of(config):
+        if config.id not in lanes:
+            lanes[config.id] = GpuEngineLane(shared, config, tmp_path_factory.mktemp(f"engine-gpu-{config.id}"))
+        return lanes[config.id]
+    yield of
+    for lane in lanes.values():
+        lane.close()

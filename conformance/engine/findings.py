@@ -15,6 +15,7 @@ from conformance.core.compare import Comparison
 from conformance.engine.check import compare_tree_round, first_divergent_round
 from conformance.engine.lane import EngineLane, GroupRun, Request, ScenarioRun
 from conformance.engine.simulate import ReferenceRound
+from conformance.engine.twins import accounting
 from reference.tree import Attends, ancestors
 
 
@@ -28,9 +29,7 @@ class RequestFinding:
 
     @property
     def served_stats(self) -> dict:
-        m = self.request.served.meta
-        return {"verify_ct": m.get("spec_verify_ct"), "histogram": list(m.get("spec_correct_drafts_histogram") or []),
-                "accept_length": m.get("spec_accept_length")}
+        return accounting(self.request.served.meta)
 
     def reference_stats(self, new_tokens: int) -> dict:
         accepted = [r.accepted for r in self.reference]

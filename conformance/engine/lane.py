@@ -76,8 +76,7 @@ class EngineLane:
         capture = self.root / group.id
         outputs: list[tuple[Scenario, list[tuple[Prompt, ENGINE.Served]], float]] = []
         try:
-            engine = ENGINE.ServedEngine(self.trained.target_dir, self.trained.checkpoints["sglang"], capture,
-                                  group.server_args(), env=group.env, fault_yaml=group.fault_yaml)
+            engine = self.start_engine(group, capture)
         except Exception as exc:   # SGLang's own words, on one line
             run.error = f"engine {group.id} did not start: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
             return run
@@ -107,6 +106,11 @@ class EngineLane:
             requests = [Request(p, s, rounds.get(s.meta["id"], [])) for p, s in served]
             run.scenarios[scenario.id] = ScenarioRun(scenario, requests, seconds)
         return run
+
+    def start_engine(self, group: EngineGroup, capture: Path) -> ENGINE.ServedEngine:
+        """The group's engine, started (this host's: SGLang's Engine on CPU with its shims)."""
+        return ENGINE.ServedEngine(self.trained.target_dir, self.trained.checkpoints["sglang"], capture,
+                                   group.server_args(), env=group.env, fault_yaml=group.fault_yaml)
 
     # ------------------------------------------------------------ the other side
 

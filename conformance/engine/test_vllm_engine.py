@@ -203,10 +203,10 @@ def test_chunk_end_entry_matches_only_its_rows(group, scenario, vllm_engine, rep
 def prediction(vllm_engine):
     """speculators' prediction of the lane's trained 1-layer draft (its training forward and metrics on every
     held-out sequence: conformance/acceptance/acceptance.py)."""
-    from conformance.acceptance.acceptance import speculators_prediction
+    from conformance.acceptance.acceptance import training_prediction
 
     vllm_engine.reference(1)
-    return speculators_prediction(vllm_engine.trained[1])
+    return training_prediction(vllm_engine.trained[1])
 
 
 def test_training_accuracy_to_measured_accept_length(vllm_engine, prediction, report, repro):

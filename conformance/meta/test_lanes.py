@@ -29,7 +29,8 @@ WORKFLOW = ROOT / ".github" / "workflows" / "conformance.yml"
 GPU_SKIP_REASON = "gpu: torch.cuda.is_available() is False"
 # The modules with gpu tests (collecting only them keeps this self-test quick; the gate in conformance/plugin.py
 # acts on whatever `-m gpu` selects).
-GPU_MODULES = ("conformance/draft/test_gpu.py", "conformance/throughput/test_throughput.py")
+GPU_MODULES = ("conformance/draft/test_gpu.py", "conformance/throughput/test_throughput.py",
+               "conformance/engine/test_engine_gpu.py")
 
 
 def run_pytest(*args: str) -> subprocess.CompletedProcess:
@@ -77,12 +78,15 @@ def test_workflow_gpu_job_cannot_pass_by_skipping():
     gpu = workflow["jobs"]["gpu"]
     assert "self-hosted" in gpu["runs-on"] and "cuda" in gpu["runs-on"], gpu["runs-on"]
     runs = "\n".join(step.get("run", "") for step in gpu["steps"])
-    assert "pytest -m gpu --require-gpu" in runs
-    assert "make bench-compare" in runs
+    # the model-level gpu lane and the CUDA engine lane (make engine-gpu) each refuse to run without CUDA
+    assert 'pytest -m "gpu and not engine" --require-gpu' in runs
+    assert "make engine-gpu" in runs and "make bench-compare" in runs
     assert "GITHUB_STEP_SUMMARY" in runs and "report.md" in runs
     makefile = (ROOT / "Makefile").read_text()
-    for target in ("bench-compare:", "bench-baseline:"):
+    for target in ("bench-compare:", "bench-baseline:", "engine-gpu:"):
         assert target in makefile, f"the workflow uses a make target the Makefile lacks: {target}"
+    recipe = makefile.split("\nengine-gpu:", 1)[1].split("\n\n", 1)[0]
+    assert '-m "engine and gpu" --require-gpu' in recipe, recipe
     for line in (ROOT / "requirements-gpu.lock").read_text().splitlines():
         assert line.startswith("#") or re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][^ ]*", line), f"not pinned: {line!r}"
 

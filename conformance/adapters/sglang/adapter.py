@@ -69,27 +69,34 @@ class SGLangAdapter(AdapterBase):
         """`server_args`: SGLang speculative server flags by ServerArgs field name (e.g.
         speculative_draft_window_size), applied through SGLang's own scoped config override while
         the model is built, which is when LlamaForCausalLMEagle3 reads them (llama_eagle3.py:288-299)."""
-        runtime = ensure_runtime()
-        if torch.device(device).type != runtime["device"]:
-            raise ValueError(f"sglang: asked for device {device!r}, but SGLang chose its kernels for "
-                             f"{runtime['device']!r} on this host (is_cuda() at import)")
-        from sglang.srt.model_loader.utils import set_default_torch_dtype
-        from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-        from sglang.srt.runtime_context import get_spec
-        from sglang.srt.utils.hf_transformers.config import get_config
-
-        # SGLang's config path, minus its per-process cache (keyed by path only: a directory
-        # rewritten between tests would return a stale config); the model also writes into it.
-        config = get_config.__wrapped__(str(ckpt_dir), trust_remote_code=False)
-        model_class = draft_class(ckpt_dir, config)
-        with set_default_torch_dtype(dtype), get_spec().override(**(server_args or {})), torch.device(device):
-            model = model_class(config).eval()
-        # SGLang's loader reads every weight file the directory has (a shard index too, as NeMo writes it).
-        model.load_weights(safetensors_weights_iterator([str(p) for p in weight_files(Path(ckpt_dir))]))
-        return LoadedSGLang(model, dtype, runtime, device, Path(ckpt_dir))
+        model = load_model(ckpt_dir, dtype, server_args, device)
+        return LoadedSGLang(model, dtype, ensure_runtime(), device, Path(ckpt_dir))
 
     def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None) -> Accounting:
         return weights.account(self, Path(ckpt_dir), dtype, target)
+
+
+def load_model(ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = None, device: str = "cpu"):
+    """The draft's model class as SGLang resolves it, built from the directory's config.json and loaded through
+    its own `load_weights` (any EAGLE-3 class: the Llama one, or the MLA `Eagle3DeepseekV2ForCausalLM`)."""
+    runtime = ensure_runtime()
+    if torch.device(device).type != runtime["device"]:
+        raise ValueError(f"sglang: asked for device {device!r}, but SGLang chose its kernels for "
+                         f"{runtime['device']!r} on this host (is_cuda() at import)")
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    # SGLang's config path, minus its per-process cache (keyed by path only: a directory
+    # rewritten between tests would return a stale config); the model also writes into it.
+    config = get_config.__wrapped__(str(ckpt_dir), trust_remote_code=False)
+    model_class = draft_class(ckpt_dir, config)
+    with set_default_torch_dtype(dtype), get_spec().override(**(server_args or {})), torch.device(device):
+        model = model_class(config).eval()
+    # SGLang's loader reads every weight file the directory has (a shard index too, as NeMo writes it).
+    model.load_weights(safetensors_weights_iterator([str(p) for p in weight_files(Path(ckpt_dir))]))
+    return model
 
 
 def draft_class(ckpt_dir: Path, config):

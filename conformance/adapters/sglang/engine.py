@@ -65,14 +65,16 @@ def shimmed_engine_class():
     from sglang.srt.entrypoints.engine import Engine
 
     class ShimmedEngine(Engine):
-        """sglang.Engine whose scheduler process runs engine_shims.run_scheduler_process (SGLang's
-        extension point for private schedulers, entrypoints/engine.py:266)."""
+        """sglang.Engine whose scheduler process runs `scheduler` (SGLang's extension point for private
+        schedulers, entrypoints/engine.py:266): engine_shims.run_scheduler_process on this CPU host, the capture
+        alone on a CUDA runner (engine_cuda.py)."""
 
-        def __init__(self, capture_dir: str | None = None, fault_yaml: str | None = None, **kwargs):
+        def __init__(self, capture_dir: str | None = None, fault_yaml: str | None = None,
+                     scheduler=engine_shims.run_scheduler_process, **kwargs):
             # An instance attribute: Engine.__init__ reads self.run_scheduler_process_func; a partial of a
             # module-level function pickles into the spawned process.
-            self.run_scheduler_process_func = functools.partial(
-                engine_shims.run_scheduler_process, capture_dir=capture_dir, fault_yaml=fault_yaml)
+            self.run_scheduler_process_func = functools.partial(scheduler, capture_dir=capture_dir,
+                                                                fault_yaml=fault_yaml)
             super().__init__(**kwargs)
 
     return ShimmedEngine
@@ -115,7 +117,15 @@ def sigquit_during_launch(signum, frame):
 
 
 class ServedEngine:
-    """A started engine with its capture directory; `generate`, then `shutdown` (always)."""
+    """A started engine with its capture directory; `generate`, then `shutdown` (always).
+
+    The class attributes are what makes it this CPU host's engine; engine_cuda.CudaServedEngine changes them for
+    a CUDA runner."""
+
+    BASE_ARGS = BASE_ARGS
+    # What the spawned processes need in their environment (launch_environment) besides tp_environment.
+    LAUNCH_ENV = {"TRITON_INTERPRET": "1"}
+    SCHEDULER = staticmethod(engine_shims.run_scheduler_process)
 
     def __init__(self, target_dir: Path, draft_dir: Path, capture_dir: Path, server_args: dict,
                  env: dict[str, str] | None = None, fault_yaml: str | None = None):
@@ -129,12 +139,12 @@ class ServedEngine:
         self._environ, self._start_method = dict(os.environ), multiprocessing.get_start_method(allow_none=True)
         start = time.perf_counter()
         try:
-            with launch_environment({"TRITON_INTERPRET": "1", **tp_environment(server_args.get("tp_size", 1)),
+            with launch_environment({**self.LAUNCH_ENV, **tp_environment(server_args.get("tp_size", 1)),
                                      **(env or {})}):
                 self.engine = shimmed_engine_class()(
-                    capture_dir=str(capture_dir), fault_yaml=fault_yaml, model_path=str(target_dir),
-                    speculative_draft_model_path=str(draft_dir), custom_sigquit_handler=sigquit_during_launch,
-                    **{**BASE_ARGS, **server_args})
+                    capture_dir=str(capture_dir), fault_yaml=fault_yaml, scheduler=self.SCHEDULER,
+                    model_path=str(target_dir), speculative_draft_model_path=str(draft_dir),
+                    custom_sigquit_handler=sigquit_during_launch, **{**self.BASE_ARGS, **server_args})
         except BaseException:
             kill_process_tree(os.getpid(), include_parent=False)   # what Engine.shutdown does
             self._restore()

@@ -44,6 +44,12 @@ SHIMS = {
     "sglang.srt.layers.rotary_embedding.base._is_cpu": (
         "module flag: RoPE dispatches to SGLang's forward_native (no vllm fallback import), as the model-level "
         "adapter (runtime.py cpu_runtime_adjustments)"),
+    "triton.runtime.interpreter.InterpreterBuilder.create_dot": (
+        "Triton's interpreter holds a bfloat16 tensor as its raw uint16 bits (triton 3.8.0 runtime/interpreter.py:"
+        "161-162) and its tl.dot multiplies those bits as integers (create_dot, :705-712: only 8-bit floats are "
+        "converted first), so every bf16 attention kernel returns garbage (max error ~2e10 on a 16x16 product; "
+        "an fp32 engine is unaffected). The operands are widened to the fp32 values they hold first: a bf16 "
+        "product accumulated in the accumulator's fp32, what a GPU's bf16 dot computes"),
     "torch.compiler.set_stance": (
         "process-wide force_eager: SGLang's torch.compile'd helpers (spec_utils.py:437, layers/sampler.py:933) run "
         "their Python bodies eagerly instead of an inductor C++ build"),
@@ -68,9 +74,35 @@ def apply_shims() -> dict[str, str]:
                          (f"{cache_locs.__name__}._is_xpu", cache_locs)):
         before, module._is_xpu = module._is_xpu, True
         done[name] = f"{before} -> True" + ("" if module.__name__ in name else f" (in {module.__name__})")
+    done["triton.runtime.interpreter.InterpreterBuilder.create_dot"] = widen_bf16_dot_operands()
     torch.compiler.set_stance("force_eager")
     done["torch.compiler.set_stance"] = "default -> force_eager"
     return done
+
+
+def widen_bf16_dot_operands() -> str:
+    """Triton's interpreter's tl.dot on bfloat16 operands computes with their fp32 values (SHIMS says why)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "widens_bf16", False):
+        return "bf16 operands widened (already)"
+    original = builder.create_dot
+
+    def widened(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        values = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(values, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot.widens_bf16 = True
+    builder.create_dot = create_dot
+    return "raw bf16 bits multiplied -> bf16 operands widened to their fp32 values"
 
 
 def run_scheduler_process(*args, capture_dir: str | None = None, fault_yaml: str | None = None, **kwargs):
@@ -121,7 +153,11 @@ class Capture:
         os.replace(tmp, name)   # a reader never sees half a file
         self.seq += 1
 
-    def install(self) -> None:
+    def install(self, passes: bool = True) -> None:
+        """passes=False: the rounds only (drafted tokens, what verify accepted), not the draft model's passes. On a
+        CUDA runner the draft's decode passes replay a CUDA graph, which runs no Python of the model, and a
+        device-to-host copy inside a graph being captured is an error; the tokens are read outside any graph
+        (eagle_worker_v2.py:693-729: draft() calls build_eagle_verify_input after the graph's replay)."""
         from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
         from sglang.srt.speculative import eagle_worker_v2
         from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
@@ -172,7 +208,8 @@ class Capture:
 
         EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
         eagle_worker_v2.build_eagle_verify_input = build_verify_input_recorded
-        LlamaForCausalLMEagle3.forward = model_forward_recorded
+        if passes:
+            LlamaForCausalLMEagle3.forward = model_forward_recorded
 
     def served(self, model) -> "ServedDraft":
         if id(model) not in self.drafts:

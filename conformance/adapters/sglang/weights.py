@@ -22,12 +22,25 @@ ROPE_TYPES = {"RotaryEmbedding": "default", "LinearScalingRotaryEmbedding": "lin
 
 def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None) -> Accounting:
     """`adapter` (SGLangAdapter) loads `ckpt_dir`; its load is replayed, observed, and accounted for."""
-    from sglang.srt.model_loader.weight_utils import default_weight_loader, safetensors_weights_iterator
-
     acct, ckpt, loaded = load_and_count(adapter.name, ckpt_dir, lambda: adapter.load(ckpt_dir, dtype))
     if loaded is None:
         return acct
     model = loaded.model
+    replay(acct, ckpt, ckpt_dir, model)
+    cfg = model.config
+    acct.vocab_map = vocab_map(ckpt, cfg.vocab_size, cfg.draft_vocab_size)
+    acct.uses = _uses(model, target)
+    acct.knobs = _knobs(loaded, ckpt)
+    return acct
+
+
+def replay(acct: Accounting, ckpt: dict[str, torch.Tensor], ckpt_dir: Path, model) -> None:
+    """`model`'s own `load_weights` run again on `ckpt_dir` with every parameter's weight_loader observed (values
+    are rewritten with themselves): each checkpoint tensor's landing verified bit for bit, or it is named as
+    dropped; d2t checked where SGLang keeps it (hot_token_id), t2d ignored as its own code does; the parameters
+    no tensor reached, and those not finite."""
+    from sglang.srt.model_loader.weight_utils import default_weight_loader, safetensors_weights_iterator
+
     params = dict(model.named_parameters())
     calls: list[tuple[str, str, object]] = []   # (checkpoint tensor, parameter, shard id)
     current: list[str] = [""]
@@ -37,24 +50,25 @@ def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None) ->
             current[0] = name
             yield name, tensor
 
-    # the same load the adapter just did, observed: values are rewritten with themselves
     with observed_weight_loaders(params, default_weight_loader,
                                  lambda pname, tensor, shard: calls.append((current[0], pname, shard))):
         model.load_weights(named_weights())
 
-    reached = {c for c, _, _ in calls}
+    reached = set()
     for ckpt_name, pname, shard in calls:
-        acct.land_rows(ckpt_name, pname, params[pname], _shard_rows(model, pname, shard), ckpt[ckpt_name])
+        for name, rows in _pieces(model, ckpt_name, pname, shard):
+            reached.add(name)
+            acct.land_rows(name, pname, params[pname], rows, ckpt[name])
     for name in sorted(ckpt):
         if name in reached:
             continue
-        if "d2t" in name:      # becomes hot_token_id = d2t + arange (llama_eagle3.py:349-353)
+        if "d2t" in name:   # hot_token_id = d2t + arange (llama_eagle3.py:349-353, kimi_k25_eagle3.py:437-441)
             hot = model.get_hot_token_id()
             ok = hot is not None and torch.equal(hot.cpu(), ckpt[name] + torch.arange(ckpt[name].shape[0]))
             acct.landed.append((name, "hot_token_id (d2t + arange)"))
             if not ok:
                 acct.differs.append("hot_token_id")
-        elif "t2d" in name:    # skipped by its own code (llama_eagle3.py:355-356)
+        elif "t2d" in name:    # skipped by its own code (llama_eagle3.py:355-356, kimi_k25_eagle3.py:442-443)
             acct.ignored.append(name)
         else:
             acct.dropped.append(name)
@@ -62,11 +76,23 @@ def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None) ->
     acct.never_loaded = sorted(set(params) - loaded_params)
     acct.nan = sorted(n for n, p in params.items() if not finite(p))
 
-    cfg = model.config
-    acct.vocab_map = vocab_map(ckpt, cfg.vocab_size, cfg.draft_vocab_size)
-    acct.uses = _uses(model, target)
-    acct.knobs = _knobs(loaded, ckpt)
-    return acct
+
+# The MLA draft's one fused parameter that SGLang fills from two checkpoint tensors in a single call, after
+# concatenating them itself (kimi_k25_eagle3.py:467-492): [q_a_proj | kv_a_proj_with_mqa] by rows.
+FUSED_A = "fused_qkv_a_proj_with_mqa"
+A_PARTS = ("q_a_proj", "kv_a_proj_with_mqa")
+
+
+def _pieces(model, ckpt_name: str, pname: str, shard) -> list[tuple[str, tuple[int, int] | None]]:
+    """(checkpoint tensor, rows of the parameter it fills or None for all) of one observed weight_loader call."""
+    if FUSED_A not in pname:
+        return [(ckpt_name, _shard_rows(model, pname, shard))]
+    attn = model.get_submodule(pname.rsplit(".", 2)[0])
+    part = next(p for p in A_PARTS if p in ckpt_name)   # the call comes with the second of the pair
+    q_rows = attn.q_lora_rank
+    return [(ckpt_name.replace(part, "q_a_proj"), (0, q_rows)),
+            (ckpt_name.replace(part, "kv_a_proj_with_mqa"),
+             (q_rows, q_rows + attn.kv_lora_rank + attn.qk_rope_head_dim))]
 
 
 def _uses(model, target: dict | None) -> dict[str, str]:
@@ -131,3 +157,27 @@ def _shard_rows(model, pname: str, shard) -> tuple[int, int] | None:
     sizes = module.output_sizes                  # MergedColumnParallelLinear: [gate | up]
     start = sum(sizes[:shard])
     return start, start + sizes[shard]
+
+
+# ---------------------------------------------------------------- the MLA draft (Eagle3DeepseekV2ForCausalLM)
+
+def account_mla(ckpt_dir: Path, dtype: torch.dtype) -> tuple[Accounting, object | None]:
+    """SGLang's MLA EAGLE-3 draft (models/kimi_k25_eagle3.py) built and loaded from `ckpt_dir` as SGLang resolves
+    it, its load replayed and accounted for as the Llama draft's; (the account, the loaded model or None when
+    SGLang refused it). Its knobs are not observed here (the MLA draft has no stage recorder yet)."""
+    from conformance.adapters.sglang.adapter import SGLangAdapter, load_model
+
+    acct, ckpt, model = load_and_count(SGLangAdapter.name, ckpt_dir, lambda: load_model(ckpt_dir, dtype))
+    if model is None:
+        return acct, None
+    replay(acct, ckpt, Path(ckpt_dir), model)
+    cfg = model.config
+    acct.vocab_map = vocab_map(ckpt, cfg.vocab_size, cfg.draft_vocab_size)
+    acct.uses = {
+        "lm_head": ("embed_tokens (tied)" if model.lm_head is model.model.embed_tokens
+                    else "the target's lm_head (no draft_vocab_size, kimi_k25_eagle3.py:355-358)"
+                    if model.load_lm_head_from_target else "checkpoint lm_head"),
+        "d2t": "hot_token_id = d2t + arange" if model.get_hot_token_id() is not None
+               else "none: draft ids used as target ids",
+    }
+    return acct, model

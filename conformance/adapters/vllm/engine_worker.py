@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -125,19 +124,7 @@ OPS = {"start": start, "generate": generate}
 
 def serve() -> None:
     worker_pipe.send(_PROTOCOL, {"ok": True, "pid": os.getpid()})
-    for req in worker_pipe.requests():
-        t0 = time.time()
-        try:
-            if req["op"] == "quit":
-                break
-            answer = {"ok": True, **OPS[req["op"]](req)}
-        except Exception as exc:   # vLLM's own words, one line; the traceback to stderr
-            traceback.print_exc()
-            answer = {"ok": False, "error": type(exc).__name__, "message": worker_pipe.first_line(exc)}
-        answer["seconds"] = round(time.time() - t0, 3)
-        print(f"[engine worker] {req['op']} {answer['seconds']}s ok={answer['ok']}", file=sys.stderr, flush=True)
-        worker_pipe.send(_PROTOCOL, answer)
-
+    worker_pipe.answer_requests(_PROTOCOL, OPS, "engine worker")
 
 if __name__ == "__main__":
     serve()

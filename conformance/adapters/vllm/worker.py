@@ -37,8 +37,6 @@ modules): conformance/meta/test_vllm_worker.py imports each one so in the defaul
 from __future__ import annotations
 
 import sys
-import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,22 +66,12 @@ def serve() -> None:
     ready = {"ok": True, "vllm": vllm.__version__, "torch": torch.__version__, "shims": applied,
              "platform": type(__import__("vllm.platforms", fromlist=["current_platform"]).current_platform).__name__}
     worker_pipe.send(_PROTOCOL, ready)
-    for req in worker_pipe.requests():
-        t0 = time.time()
-        try:
-            if req["op"] == "quit":
-                break
-            for handle in req.get("drop", ()):   # drafts the adapter no longer holds
-                STATE["loaded"].pop(handle, None)
-            answer = OPS[req["op"]](req)
-            answer = {"ok": True, **answer}
-        except Exception as exc:   # vLLM's own words, one line; the traceback to stderr
-            traceback.print_exc()
-            answer = {"ok": False, "error": type(exc).__name__, "message": worker_pipe.first_line(exc)}
-        answer["seconds"] = round(time.time() - t0, 3)
-        print(f"[worker] {req['op']} {answer['seconds']}s ok={answer['ok']}", file=sys.stderr, flush=True)
-        worker_pipe.send(_PROTOCOL, answer)
+    worker_pipe.answer_requests(_PROTOCOL, OPS, "worker", before=drop_released)
 
+
+def drop_released(req: dict) -> None:
+    for handle in req.get("drop", ()):   # drafts the adapter no longer holds
+        STATE["loaded"].pop(handle, None)
 
 if __name__ == "__main__":
     serve()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+import traceback
 
 
 def claim_stdout():
@@ -25,6 +27,25 @@ def requests():
 
 def send(channel, answer: dict) -> None:
     channel.write(json.dumps(answer) + "\n")
+
+
+def answer_requests(channel, ops: dict, name: str, before=None) -> None:
+    """Each request answered by its op until `quit` or the pipe closes; a failure answered with vLLM's own words
+    in one line (first_line), its traceback to stderr. `before(req)`: run first on every request."""
+    for req in requests():
+        t0 = time.time()
+        try:
+            if req["op"] == "quit":
+                break
+            if before is not None:
+                before(req)
+            answer = {"ok": True, **ops[req["op"]](req)}
+        except Exception as exc:
+            traceback.print_exc()
+            answer = {"ok": False, "error": type(exc).__name__, "message": first_line(exc)}
+        answer["seconds"] = round(time.time() - t0, 3)
+        print(f"[{name}] {req['op']} {answer['seconds']}s ok={answer['ok']}", file=sys.stderr, flush=True)
+        send(channel, answer)
 
 
 DETAIL = 200   # characters of a validation error's detail kept (vLLM's registry refusal lists ~400 architectures)

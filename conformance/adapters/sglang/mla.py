@@ -1,0 +1,117 @@
+"""SGLang's MLA EAGLE-3 draft (models/kimi_k25_eagle3.py, `Eagle3DeepseekV2ForCausalLM`) drafting a chain, in-process
+on CPU over its own MLA KV pool (`MLATokenToKVPool`) and attention backend, with the attention's stages recorded.
+
+At step 0 each request's first token is a DECODE pass and the rest an EXTEND over that cached token: on torch_native an
+MLA EXTEND with no cached prefix takes the MHA path, which re-reads the latent cache and fails (the same split
+as SGLang's DeepSeek target here, target.py; running-real-implementations.md). Both passes take SGLang's absorbed
+MLA path, which a server takes for every draft pass but a no-prefix prefill; steps >= 1 are DECODE passes on each
+request's last token, as in serving (drafting.py's chain for the Llama draft). Stages come from forward hooks on
+SGLang's own modules (the attention's input and output, q_a_layernorm) and from what its KV pool holds after the
+passes (kv_latent and k_rope: the two pieces an MLA pool caches per token).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from conformance.adapters.sglang.runtime import ATTENTION_BACKEND, ensure_runtime, forward_pass
+
+
+def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int],
+              next_ids: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
+    """`model`: a loaded Eagle3DeepseekV2ForCausalLM; the packed requests of `lengths` tokens each (>= 2).
+    Step 0 is the draft's pass over every token (DECODE of each first token, EXTEND of the rest); step k >= 1 a
+    DECODE pass on each request's last token, fed `next_ids[:, k - 1]` and the recurrent hidden SGLang returned
+    for that request's previous row, at position last + k, as the serving chain does. Per step: the layer-0
+    attention stages ("layers.0.attn_in", "layers.0.q_latent", "layers.0.kv_latent", "layers.0.k_rope",
+    "layers.0.attn_out"; step 0 on packed rows, later steps one row per request) and the last rows' "logits"."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleDraftInput
+
+    device = ensure_runtime()["device"]
+    if min(lengths) < 2:
+        raise ValueError(f"every request needs 2 tokens or more (a DECODE of the first, an EXTEND of the rest): "
+                         f"{lengths}")
+    steps = 1 + (0 if next_ids is None else next_ids.shape[1])
+    attn = model.model.midlayer.self_attn
+    dtype = attn.kv_b_proj.weight.dtype
+    B, T = len(lengths), sum(lengths)
+    per_req = [n + steps - 1 for n in lengths]
+    pool = ReqToTokenPool(size=B, max_context_len=max(per_req), device=device, enable_memory_saver=False)
+    kv = MLATokenToKVPool(size=sum(per_req) + 1, page_size=1, dtype=dtype, kv_lora_rank=attn.kv_lora_rank,
+                          qk_rope_head_dim=attn.qk_rope_head_dim, layer_num=1, device=device,
+                          enable_memory_saver=False)
+    bases = (torch.tensor(per_req).cumsum(0) - torch.tensor(per_req) + 1).tolist()   # slot 0: padding
+    slots = [torch.arange(b, b + n) for b, n in zip(bases, per_req)]
+    for r, s in enumerate(slots):
+        pool.req_to_token[r + 1, :per_req[r]] = s.to(torch.int32)
+    # The torch_native backend reads only these three fields of a ModelRunner.
+    backend = ATTENTION_BACKENDS[ATTENTION_BACKEND](
+        SimpleNamespace(device=device, req_to_token_pool=pool, token_to_kv_pool=kv))
+
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def keep(name):
+        return lambda _m, _i, out: seen.setdefault(name, []).append(out.detach().clone())
+    hooks = [attn.register_forward_pre_hook(
+                 lambda _m, _a, kw: seen.setdefault("attn_in", []).append(kw["hidden_states"].detach().clone()),
+                 with_kwargs=True),
+             attn.register_forward_hook(keep("attn_out")), attn.q_a_layernorm.register_forward_hook(keep("q_latent"))]
+    aux, input_ids, positions = aux.to(dtype, copy=True), input_ids.long().clone(), positions.long().clone()
+    req, one = torch.arange(1, B + 1), torch.ones(B, dtype=torch.int64)
+    starts = torch.tensor(lengths).cumsum(0) - torch.tensor(lengths)
+    first, rest = starts, torch.cat([torch.arange(s + 1, s + n) for s, n in zip(starts.tolist(), lengths)])
+    n_rest = [n - 1 for n in lengths]
+
+    def decode(ids, hidden, pos, k):
+        seq_lens = torch.tensor(lengths) + k if k else one
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=B, input_ids=ids, req_pool_indices=req, seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens.clone(), out_cache_loc=torch.stack([s[n + k - 1] if k else s[0]
+                                                                      for s, n in zip(slots, lengths)]),
+            seq_lens_sum=int(seq_lens.sum()), positions=pos, capture_hidden_mode=CaptureHiddenMode.FULL,
+            spec_info=EagleDraftInput(hidden_states=hidden, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1))
+
+    out_steps = []
+    try:
+        forward_pass(model, backend, decode(input_ids[first], aux[first], positions[first], 0))
+        seq_lens = torch.tensor(lengths)
+        out = forward_pass(model, backend, ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=B, input_ids=input_ids[rest], req_pool_indices=req,
+            seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(), out_cache_loc=torch.cat([s[1:n]
+                                                                                      for s, n in zip(slots, lengths)]),
+            seq_lens_sum=T, positions=positions[rest], extend_num_tokens=T - B,
+            extend_seq_lens=torch.tensor(n_rest, dtype=torch.int32), extend_prefix_lens=one.int(),
+            extend_start_loc=(torch.tensor(n_rest).cumsum(0) - torch.tensor(n_rest)).int(),
+            extend_seq_lens_cpu=n_rest, extend_prefix_lens_cpu=[1] * B, capture_hidden_mode=CaptureHiddenMode.FULL,
+            spec_info=EagleDraftExtendInput(hidden_states=aux[rest], num_tokens_per_req=1,
+                                            num_tokens_for_logprob_per_req=1)))
+        stages = {}
+        for name, (at_first, at_rest) in seen.items():   # back to packed rows
+            packed = at_first.new_empty((T, *at_first.shape[1:]))
+            packed[first], packed[rest] = at_first, at_rest
+            stages[f"layers.0.{name}"] = packed
+        stages.update(_cached(kv, attn, torch.cat([s[:n] for s, n in zip(slots, lengths)])))
+        out_steps.append({**stages, "logits": out.next_token_logits})
+        hidden = out.hidden_states[torch.tensor(n_rest).cumsum(0) - 1]   # each request's last row of the EXTEND
+        last_pos = positions[starts + torch.tensor(lengths) - 1]
+        for k in range(1, steps):
+            seen.clear()
+            out = forward_pass(model, backend, decode(next_ids[:, k - 1].long(), hidden, last_pos + k, k))
+            stages = {f"layers.0.{name}": at[0] for name, at in seen.items()}
+            stages.update(_cached(kv, attn, torch.stack([s[n + k - 1] for s, n in zip(slots, lengths)])))
+            out_steps.append({**stages, "logits": out.next_token_logits})
+            hidden = out.hidden_states
+    finally:
+        for h in hooks:
+            h.remove()
+    return [{k: v.cpu() for k, v in st.items()} for st in out_steps]
+
+
+def _cached(kv, attn, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What SGLang's MLA pool holds in `slots`: [kv_latent | k_rope] per token."""
+    kv_latent, k_rope = kv.get_key_buffer(0)[slots, 0].split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+    return {"layers.0.kv_latent": kv_latent, "layers.0.k_rope": k_rope}
