@@ -5,7 +5,10 @@ This is the arbiter every implementation is compared against. It follows specula
 including the ones SGLang lacks (`norm_before_residual`, q/k/v bias, `input_layernorm` on layers
 >= 1, the qwen3 draft layers' q_norm/k_norm), and partial rotary. One code path, plain
 `softmax(QK^T/sqrt(d) + mask) V` attention, no side effects. MLA drafts' attention (DeepSeek's latent
-attention, `mla_attention` with its `MLAConfig`) is a separate block next to the Llama one.
+attention, `mla_attention` with its `MLAConfig`) is a separate block next to the Llama one: a draft with
+draft_arch "mla" runs it in every layer in place of the Llama attention, everything around it unchanged (the
+[embeds, hidden] input of layer 0, residuals, MLP, norms, the TTT recurrence; NeMo Automodel's
+DeepseekV3Eagle3DraftModel and SGLang's Eagle3DeepseekV2ForCausalLM are built so).
 
 Precision policy (one place): every matmul runs in the working dtype; RMSNorm and softmax upcast
 to fp32 (fp64 stays fp64) and cast back, as HF and SGLang do; RoPE angles and cos/sin are
@@ -61,8 +64,16 @@ class Eagle3Config:
     hidden_act: str = "silu"
     aux_layer_ids: tuple[int, ...] | None = None  # training convention: input of layer i (0 = embedding)
     sliding_window: int | None = None    # None = full attention in every draft layer
-    draft_arch: str = "llama"            # decoder layers: "llama", or "qwen3" (per-head q_norm/k_norm before RoPE)
+    draft_arch: str = "llama"            # decoder layers: "llama", "qwen3" (per-head q_norm/k_norm before RoPE), or
+                                         # "mla" (DeepSeek's latent attention, the fields below; `mla`)
     partial_rotary_factor: float = 1.0   # RoPE on the first int(head_dim * factor) channels of each head only
+    # MLA drafts only (draft_arch "mla"), named as in DeepseekV3Config; None / unset for the other archs.
+    q_lora_rank: int | None = None       # None: q_proj straight from the input; else q_a_proj -> norm -> q_b_proj
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None  # RoPE's channels; DeepseekV3Config states head_dim = qk_rope_head_dim
+    v_head_dim: int | None = None
+    rope_interleave: bool = True         # DeepSeek's (2i, 2i+1) rope pairs; False: half-split
 
     def __post_init__(self):
         if self.norm_before_fc and self.fc_norm:
@@ -82,17 +93,46 @@ class Eagle3Config:
             raise ValueError(f"draft_arch {self.draft_arch!r} is not implemented ({', '.join(DRAFT_ARCHS)} are)")
         if self.draft_arch == "qwen3" and self.mlp_bias:
             raise ValueError("a qwen3 draft has no MLP biases (transformers Qwen3MLP: bias=False)")
+        mla_fields = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        if self.draft_arch == "mla":
+            self._check_mla(mla_fields)
+        elif any(f is not None for f in mla_fields + (self.q_lora_rank,)) or not self.rope_interleave:
+            raise ValueError(f"MLA fields set on a {self.draft_arch!r} draft (they need draft_arch 'mla')")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {self.rotary_dim} "
                              f"of head_dim {self.head_dim}: needs an even number >= 2")
+
+    def _check_mla(self, mla_fields) -> None:
+        """An MLA draft states its MLA widths, and nothing of a Llama layer that its attention would ignore."""
+        if any(f is None for f in mla_fields):
+            raise ValueError("an MLA draft needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError("an MLA draft has no GQA: num_key_value_heads must equal num_attention_heads")
+        if self.head_dim != self.qk_rope_head_dim:
+            raise ValueError("an MLA draft's head_dim is its qk_rope_head_dim (transformers DeepseekV3Config)")
+        if self.partial_rotary_factor != 1:
+            raise ValueError("an MLA draft turns its whole rope slice: partial_rotary_factor must be 1")
+        for knob in ("attention_bias", "sliding_window"):
+            if getattr(self, knob):
+                raise ValueError(f"{knob} is not implemented by the reference's MLA draft layer")
 
     @property
     def rotary_dim(self) -> int:
         """Channels of each head that RoPE turns (HF modeling_rope_utils, SGLang llama.py:199-200)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def mla(self) -> MLAConfig:
+        """The MLA attention of every layer of an MLA draft (its own RoPE config: rotary_dim = qk_rope_head_dim)."""
+        return MLAConfig(num_attention_heads=self.num_attention_heads, q_lora_rank=self.q_lora_rank,
+                         kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                         qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
+                         rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                         max_position_embeddings=self.max_position_embeddings, rope_interleave=self.rope_interleave)
 
-DRAFT_ARCHS = ("llama", "qwen3")   # speculators' draft_arch choices (models/eagle3/model_definitions.py:135-142)
+
+# speculators' draft_arch choices (models/eagle3/model_definitions.py:135-142), and DeepSeek's MLA layer (mla-drafts.md)
+DRAFT_ARCHS = ("llama", "qwen3", "mla")
 
 
 @dataclass(frozen=True)
@@ -305,7 +345,8 @@ class Eagle3Reference:
 
     def layer(self, i: int, h: torch.Tensor, embeds: torch.Tensor, cos, sin, cache, visible
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One decoder layer -> (its output, its stages); appends this step's k/v to cache[i]."""
+        """One decoder layer -> (its output, its stages); appends this step's k/v to cache[i] (MLA: the keys
+        [k_nope | shared rope key] and values per head, as training keeps them)."""
         cfg, w, p = self.cfg, self.w, f"layers.{i}"
         stages: dict[str, torch.Tensor] = {}
         if i == 0:
@@ -320,11 +361,29 @@ class Eagle3Reference:
             attn_in = hn
         stages.update({f"{p}.hidden_norm": hn, f"{p}.residual": residual, f"{p}.attn_in": attn_in})
 
-        T, hd = h.shape[0], cfg.head_dim
+        if cfg.draft_arch == "mla":   # DeepSeek's latent attention over the same input (mla_attention)
+            attn_out, attn_stages = mla_attention(attn_in, w, p, cfg.mla, cos, sin, cache[i], visible)
+        else:
+            attn_out, attn_stages = self.attention(i, attn_in, cos, sin, cache, visible)
+        stages.update(attn_stages)
+        post_attn = residual + attn_out
+        x = rms_norm(post_attn, w[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        mlp_out = mlp(x, w, f"{p}.mlp")
+        out = post_attn + mlp_out
+        stages.update({f"{p}.post_attn": post_attn, f"{p}.post_attn_norm": x, f"{p}.mlp_out": mlp_out,
+                       f"{p}.layer_out": out})
+        return out, stages
+
+    def attention(self, i: int, attn_in: torch.Tensor, cos, sin, cache, visible
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Layer i's Llama (or qwen3) attention over attn_in -> (o_proj output [T, H], its stages);
+        appends this step's k/v to cache[i]."""
+        cfg, w, p = self.cfg, self.w, f"layers.{i}"
+        T, hd = attn_in.shape[0], cfg.head_dim
         q = linear(attn_in, w, f"{p}.self_attn.q_proj").view(T, cfg.num_attention_heads, hd)
         k = linear(attn_in, w, f"{p}.self_attn.k_proj").view(T, cfg.num_key_value_heads, hd)
         v = linear(attn_in, w, f"{p}.self_attn.v_proj").view(T, cfg.num_key_value_heads, hd)
-        stages.update({f"{p}.q": q, f"{p}.k": k, f"{p}.v": v})
+        stages = {f"{p}.q": q, f"{p}.k": k, f"{p}.v": v}
         if cfg.draft_arch == "qwen3":   # Qwen3Attention: RMSNorm over each head's channels, before RoPE
             q = rms_norm(q, w[f"{p}.self_attn.q_norm.weight"], cfg.rms_norm_eps)
             k = rms_norm(k, w[f"{p}.self_attn.k_norm.weight"], cfg.rms_norm_eps)
@@ -334,16 +393,8 @@ class Eagle3Reference:
         cache[i][1].append(v)
         core = attention(q_rot, cache[i][0], cache[i][1], visible, cfg)               # [T, nh*hd]
         attn_out = linear(core, w, f"{p}.self_attn.o_proj")                          # [T, H]
-        post_attn = residual + attn_out
-        x = rms_norm(post_attn, w[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        mlp_out = mlp(x, w, f"{p}.mlp")
-        out = post_attn + mlp_out
-        stages.update({
-            f"{p}.q_rot": q_rot, f"{p}.k_rot": k_rot,
-            f"{p}.attn_core": core, f"{p}.attn_out": attn_out, f"{p}.post_attn": post_attn,
-            f"{p}.post_attn_norm": x, f"{p}.mlp_out": mlp_out, f"{p}.layer_out": out,
-        })
-        return out, stages
+        stages.update({f"{p}.q_rot": q_rot, f"{p}.k_rot": k_rot, f"{p}.attn_core": core, f"{p}.attn_out": attn_out})
+        return attn_out, stages
 
     def draft_pass(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, cache, visible
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -352,7 +403,8 @@ class Eagle3Reference:
         cfg, w = self.cfg, self.w
         embeds = F.embedding(ids, w["embed_tokens.weight"])                                # [T, H]
         stages = {"input_ids": ids, "embeds": embeds}
-        cos, sin = rope_cos_sin(cfg, positions, self.dtype)
+        # An MLA draft's tables span the rope slice of its heads (its MLAConfig is its RoPE config).
+        cos, sin = rope_cos_sin(cfg.mla if cfg.draft_arch == "mla" else cfg, positions, self.dtype)
         for i in range(cfg.num_hidden_layers):
             h, layer_stages = self.layer(i, h, embeds, cos, sin, cache, visible)
             stages.update(layer_stages)

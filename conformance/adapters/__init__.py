@@ -12,6 +12,7 @@ from conformance.adapters.sglang import SGLangAdapter
 from conformance.adapters.specforge import SpecForgeAdapter
 from conformance.adapters.speculators import SpeculatorsAdapter
 from conformance.adapters.vllm import VLLMAdapter
+from conformance.checkpoints.formats import unwritable
 from conformance.core import registry
 from conformance.loading.accounting import Accounting
 
@@ -35,6 +36,13 @@ DEFAULT_TRAINER = next(name for name, a in ADAPTERS.items() if a.training is not
 registry.use_implementations({name: ADAPTERS[name].version for name in ALL_IMPLEMENTATIONS},
                              {name: ADAPTERS[name].engine.version for name in ALL_IMPLEMENTATIONS
                               if getattr(ADAPTERS[name].engine, "version", None) is not None})
+
+def cannot_express(impl: str, cfg) -> str | None:
+    """Why `impl` cannot even run a draft of config `cfg` (its adapter's `unsupported`, or no checkpoint of `cfg`
+    in the format it loads: conformance/checkpoints/formats `unwritable`), or None. Every skip of a case reads this."""
+    adapter = ADAPTERS[impl]()
+    return adapter.unsupported(cfg) or unwritable(cfg, adapter.checkpoint_format)
+
 
 TOOLING = ("transformers", "safetensors", "hypothesis", "pytest")   # besides torch and the implementations
 

@@ -12,7 +12,8 @@ from conformance.adapters.base import AdapterBase, Drafter, TimedPass, batch_on,
 from conformance.core.trace import Trace
 from conformance.checkpoints import read_config, read_weights
 from conformance.core import stages
-from conformance.loading.accounting import Accounting, checkpoint_tensors, observed_knobs, rope_text, vocab_map
+from conformance.loading.accounting import (Accounting, checkpoint_tensors, mla_text, observed_knobs, rope_text,
+                                            vocab_map)
 from reference.eagle3 import DraftBatch, Eagle3Config, Eagle3Reference
 
 # What a benchmark times, per step (the reference has no decode pass: step 1 is a TTT step over all rows).
@@ -94,6 +95,8 @@ def knobs(loaded: "LoadedReference", ckpt: dict[str, torch.Tensor]) -> dict:
         "norm_before_residual": seen["norm_before_residual"], "norm_output": cfg.norm_output,
         "layers": cfg.num_hidden_layers, "heads / kv heads / head_dim":
             f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}/{cfg.head_dim}",
+        **({"mla": mla_text(cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.v_head_dim)} if cfg.draft_arch == "mla" else {}),
         "rope": rope_text((cfg.rope_scaling or {}).get("rope_type", "default"), cfg.rope_theta),
         "q/k/v bias": cfg.attention_bias, "mlp bias": cfg.mlp_bias,
         "sliding window": cfg.sliding_window or "none",

@@ -27,6 +27,8 @@ DEFAULTED = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 # The longest context a config may state: above any model's (Llama 4 Scout states 10,485,760), and SGLang's
 # rotary embedding allocates its cos/sin cache for every position up to it.
 MAX_POSITIONS = 2 ** 24
+# model_types whose decoder layer is DeepSeek's MLA (draft_arch "mla") when the config states kv_lora_rank.
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 
 
 @dataclass(frozen=True)
@@ -127,20 +129,29 @@ def layer_knobs(f: Fields, problems: list, notes: list) -> dict:
             problems.append((f"field {f.prefix}{key}", f"{f.raw[key]} changes the forward pass and is not "
                                                        "implemented by the reference or SGLang's Llama draft"))
     model_type = f.string("model_type", "llama")
-    arch = model_type if model_type in DRAFT_ARCHS else "llama"
-    if model_type not in DRAFT_ARCHS:
+    mla = model_type in MLA_MODEL_TYPES and f.has("kv_lora_rank")
+    arch = "mla" if mla else model_type if model_type in DRAFT_ARCHS and model_type != "mla" else "llama"
+    if arch == "llama" and model_type != "llama":
         notes.append(f"{f.prefix}model_type {model_type!r} on a Llama EAGLE-3 draft")
     mlp_bias = f.bool("mlp_bias")
     if arch == "qwen3" and mlp_bias:   # Qwen3MLP is built with bias=False whatever the config says
         notes.append(f"{f.prefix}mlp_bias true is ignored by qwen3 layers (transformers Qwen3MLP has no biases)")
         mlp_bias = False
+    if mla:   # DeepseekV3Config: no GQA, head_dim is the rope slice (configuration_deepseek_v3.py)
+        nh_kv, head_dim = nh, f.int("qk_rope_head_dim")
+        extra = dict(q_lora_rank=f.int("q_lora_rank") if f.has("q_lora_rank") else None,
+                     kv_lora_rank=f.int("kv_lora_rank"), qk_nope_head_dim=f.int("qk_nope_head_dim"),
+                     qk_rope_head_dim=head_dim, v_head_dim=f.int("v_head_dim"),
+                     rope_interleave=f.bool("rope_interleave", True))
+    else:
+        nh_kv, extra = f.int("num_key_value_heads", nh), {}
     return dict(
         vocab_size=f.int("vocab_size"),
         hidden_size=H,
         intermediate_size=f.int("intermediate_size"),
         num_hidden_layers=f.int("num_hidden_layers"),
         num_attention_heads=nh,
-        num_key_value_heads=f.int("num_key_value_heads", nh),
+        num_key_value_heads=nh_kv,
         head_dim=head_dim,
         rms_norm_eps=f.number("rms_norm_eps", 1e-6),
         rope_theta=theta,
@@ -152,6 +163,7 @@ def layer_knobs(f: Fields, problems: list, notes: list) -> dict:
         sliding_window=window,
         draft_arch=arch,
         partial_rotary_factor=partial,
+        **extra,
     )
 
 

@@ -28,11 +28,14 @@ def expected_tensors(cfg: Eagle3Config) -> Schema:
         if i == 0:
             out[f"{p}.hidden_norm.weight"] = ((H,), "float")
         out[f"{p}.post_attention_layernorm.weight"] = ((H,), "float")
-        for name, rows in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
-            out[f"{p}.self_attn.{name}.weight"] = ((rows, qkv_in), "float")
-            if cfg.attention_bias:
-                out[f"{p}.self_attn.{name}.bias"] = ((rows,), "float")
-        out[f"{p}.self_attn.o_proj.weight"] = ((H, nh * hd), "float")
+        if cfg.draft_arch == "mla":
+            out.update(_mla_tensors(cfg, p, qkv_in))
+        else:
+            for name, rows in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+                out[f"{p}.self_attn.{name}.weight"] = ((rows, qkv_in), "float")
+                if cfg.attention_bias:
+                    out[f"{p}.self_attn.{name}.bias"] = ((rows,), "float")
+            out[f"{p}.self_attn.o_proj.weight"] = ((H, nh * hd), "float")
         if cfg.attention_bias:
             out[f"{p}.self_attn.o_proj.bias"] = ((H,), "float")
         if cfg.draft_arch == "qwen3":   # Qwen3Attention's per-head norms (transformers modeling_qwen3.py)
@@ -52,6 +55,24 @@ def expected_tensors(cfg: Eagle3Config) -> Schema:
     return out
 
 
+def _mla_tensors(cfg: Eagle3Config, p: str, d_in: int) -> Schema:
+    """An MLA layer's attention (transformers DeepseekV3Attention's names, reference/eagle3.py mla_attention)."""
+    m, a = cfg.mla, f"{p}.self_attn"
+    nh = m.num_attention_heads
+    out: Schema = {}
+    if m.q_lora_rank is None:
+        out[f"{a}.q_proj.weight"] = ((nh * m.qk_head_dim, d_in), "float")
+    else:
+        out[f"{a}.q_a_proj.weight"] = ((m.q_lora_rank, d_in), "float")
+        out[f"{a}.q_a_layernorm.weight"] = ((m.q_lora_rank,), "float")
+        out[f"{a}.q_b_proj.weight"] = ((nh * m.qk_head_dim, m.q_lora_rank), "float")
+    out[f"{a}.kv_a_proj_with_mqa.weight"] = ((m.kv_lora_rank + m.qk_rope_head_dim, d_in), "float")
+    out[f"{a}.kv_a_layernorm.weight"] = ((m.kv_lora_rank,), "float")
+    out[f"{a}.kv_b_proj.weight"] = ((nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), "float")
+    out[f"{a}.o_proj.weight"] = ((cfg.hidden_size, nh * m.v_head_dim), "float")
+    return out
+
+
 def _mlp_rows(cfg: Eagle3Config) -> tuple[tuple[str, int], ...]:
     inter, H = cfg.intermediate_size, cfg.hidden_size
     return ("gate_proj", inter), ("up_proj", inter), ("down_proj", H)
@@ -65,6 +86,9 @@ def needed_by(name: str, cfg: Eagle3Config) -> str:
         return "fc_norm is true"
     if name.endswith(".bias"):
         return "attention_bias is true" if "self_attn" in name else "mlp_bias is true"
+    if any(part in name for part in (".q_a_", ".q_b_", ".kv_a_", ".kv_b_")) or (
+            cfg.draft_arch == "mla" and name.endswith("self_attn.q_proj.weight")):
+        return "draft_arch is mla (DeepSeek's latent attention)"
     if name.endswith(("q_norm.weight", "k_norm.weight")):
         return "draft_arch is qwen3 (model_type qwen3)"
     if name == "lm_head.weight":
@@ -88,7 +112,7 @@ def undeclared_tensors(cfg: Eagle3Config) -> Schema:
         p = f"layers.{i}"
         if i > 0:
             out[f"{p}.hidden_norm.weight"] = ((H,), "float")          # SGLang uses it for layers >= 1 (:103-105)
-        if not cfg.attention_bias:
+        if not cfg.attention_bias and cfg.draft_arch != "mla":
             out.update({f"{p}.self_attn.{n}.bias": ((r,), "float") for n, r in
                         (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd), ("o_proj", H))})
         if not cfg.mlp_bias:

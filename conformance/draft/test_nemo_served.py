@@ -37,8 +37,10 @@ pytestmark = pytest.mark.cpu
 SERVER = DEFAULT_SERVER   # NeMo's own serving helper is for SGLang, the default server
 SERVERS = [impl for impl in ALL_IMPLEMENTATIONS if ADAPTERS[impl].is_server]
 STEPS = 7
-STEP0 = [c for c in STEP0_CASES if not nemo.inexpressible(c.config)]
-MULTISTEP = [c for c in MULTISTEP_CASES if not nemo.inexpressible(c.config)]
+# NeMo's Llama drafts: its MLA drafts' directories served by the servers are issue 26's point 3 (weight accounting and
+# checkpoint formats for MLA drafts), not yet here.
+STEP0 = [c for c in STEP0_CASES if not nemo.inexpressible(c.config) and c.config.draft_arch != "mla"]
+MULTISTEP = [c for c in MULTISTEP_CASES if not nemo.inexpressible(c.config) and c.config.draft_arch != "mla"]
 
 
 class ConvertedStore(DraftStore):

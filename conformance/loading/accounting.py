@@ -187,6 +187,11 @@ def rope_text(kind: str, theta) -> str:
     return f"{kind}, theta {float(theta):g}"
 
 
+def mla_text(q_lora_rank, kv_lora_rank, nope, rope, v) -> str:
+    """One implementation's MLA attention widths as the knob table shows them (MLA drafts only)."""
+    return f"q_lora {q_lora_rank or 'none'}, kv_lora {kv_lora_rank}, nope/rope/v {nope}/{rope}/{v}"
+
+
 # ---------------------------------------------------------------- knobs
 
 PROBE_LENGTHS = (3, 4)   # the probe batch: two short sequences

@@ -10,7 +10,7 @@ from types import MethodType
 import pytest
 import torch
 
-from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS, IMPLEMENTATIONS, REFERENCE
+from conformance.adapters import ADAPTERS, ALL_IMPLEMENTATIONS, IMPLEMENTATIONS, REFERENCE, cannot_express
 from conformance.adapters.sglang import weights
 from conformance.loading.accounting import checkpoint_tensors, knob_rows
 from conformance.adapters import account
@@ -25,7 +25,7 @@ def _accounts(drafts, case_id: str) -> list:
     case = CASES_BY_ID[case_id]
     dirs = drafts.checkpoint(case)
     return [account(impl, dirs[ADAPTERS[impl].checkpoint_format]) for impl in IMPLS
-            if ADAPTERS[impl]().unsupported(case.config) is None]
+            if cannot_express(impl, case.config) is None]
 
 
 def _sglang(drafts, case_id: str):

@@ -136,3 +136,48 @@ def test_planted_mla_fault_is_caught(plant, monkeypatch):
     assert not compare_tensors(0, "kv_latent", stages["layers.0.kv_latent"], expected["kv_latent"], F32).failed
     r = compare_tensors(0, "attn_out", stages["layers.0.attn_out"], expected["attn_out"], F32)
     assert r.failed, f"planted {plant} not caught: attn_out within fp32 tolerance (max abs {r.max_abs:.3e})"
+
+
+# ---------------------------------------------------------------- the draft config that carries MLA
+
+MLA_DRAFT = dict(draft_arch="mla", num_key_value_heads=4, head_dim=6, q_lora_rank=22, kv_lora_rank=18,
+                 qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=14)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(draft_arch="llama"), "MLA fields set on a 'llama' draft"),
+    (dict(kv_lora_rank=None), "an MLA draft needs kv_lora_rank"),
+    (dict(num_key_value_heads=2), "no GQA"),
+    (dict(head_dim=12), "head_dim is its qk_rope_head_dim"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor must be 1"),
+    (dict(attention_bias=True), "attention_bias is not implemented"),
+    (dict(sliding_window=4), "sliding_window is not implemented"),
+], ids=["mla_fields_on_llama", "no_kv_lora_rank", "gqa", "head_dim", "partial_rotary", "bias", "window"])
+def test_an_mla_draft_config_rejects_what_its_layer_would_ignore(changes, message):
+    """Every Eagle3Config field is honoured or rejected: an MLA layer has no GQA, no head_dim of its own, no
+    partial rotary, and the reference's has no biases or window; MLA widths on a Llama draft are refused."""
+    from fixtures.tiny import make_config
+
+    make_config(**MLA_DRAFT)   # the tiny MLA draft itself is accepted
+    with pytest.raises(ValueError, match=message):
+        make_config(**{**MLA_DRAFT, **changes})
+
+
+def test_the_draft_layer_runs_mla_attention_on_its_rope_tables(monkeypatch):
+    """An MLA draft's layers call mla_attention with its MLAConfig and the rope tables of the rope slice
+    (rotary_dim = qk_rope_head_dim); a Llama draft's never call it."""
+    from fixtures.tiny import make_batch, make_config, make_draft_weights
+
+    calls = []
+    real = ref.mla_attention
+
+    def spy(x, w, prefix, cfg, cos, sin, cache, visible):
+        calls.append((prefix, cfg, cos.shape[-1]))
+        return real(x, w, prefix, cfg, cos, sin, cache, visible)
+
+    monkeypatch.setattr(ref, "mla_attention", spy)
+    for draft in (make_config(**MLA_DRAFT), make_config()):
+        weights = make_draft_weights(draft, torch.Generator().manual_seed(0))
+        batch = make_batch(draft, (3, 2), torch.Generator().manual_seed(1), steps=2)
+        ref.Eagle3Reference(draft, weights, F32).run(batch, steps=2)
+    assert calls == [("layers.0", make_config(**MLA_DRAFT).mla, 6)] * 2, calls

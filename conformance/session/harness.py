@@ -15,7 +15,7 @@ import torch
 
 import pytest
 
-from conformance.adapters import ADAPTERS, REFERENCE
+from conformance.adapters import ADAPTERS, REFERENCE, cannot_express
 from conformance.adapters.base import ServedBatch
 from conformance.core.trace import Trace, Unsupported
 from conformance.core.compare import Comparison, compare_traces
@@ -95,12 +95,13 @@ class DraftStore:
 def conformance_params(impls, dtype_names, cases, extra_id: str = "", steps: int | None = None):
     """pytest params impl x dtype x case; a registered load failure or divergence makes its param a strict
     xfail, unless it is registered at a step beyond the `steps` the test compares; a case the
-    implementation cannot express (its adapter's `unsupported`) is a skip with the adapter's reason."""
+    implementation cannot express (its adapter's `unsupported`, or no checkpoint of it in the format the
+    implementation loads) is a skip with the adapter's or the format's reason."""
     for impl in impls:
         for dtype_name in dtype_names:
             for case in cases:
                 ids = "-".join(p for p in (impl, dtype_name, extra_id, case.id) if p)
-                why = ADAPTERS[impl]().unsupported(case.config)
+                why = cannot_express(impl, case.config)
                 if why:   # the implementation cannot even express the case: a skip naming why
                     yield pytest.param(impl, dtype_name, case, id=ids, marks=pytest.mark.skip(reason=why))
                 else:

@@ -73,11 +73,11 @@ def knob_setting(case: DraftCase) -> str:
 
 
 def draft_cell(impl: str, case: DraftCase) -> str:
-    """What the implementation cannot express (its adapter's `unsupported`: the tests skip), else the deciding
+    """What the implementation cannot express (`cannot_express`: the tests skip), else the deciding
     forward entry (a load refusal first), then the accounting entries."""
-    from conformance.adapters import ADAPTERS
+    from conformance.adapters import cannot_express
 
-    if why := ADAPTERS[impl]().unsupported(case.config):
+    if why := cannot_express(impl, case.config):
         return f"not expressible: {why}"
     entry = deciding(for_case(impl, case), case.config.num_hidden_layers)
     more = [e for e in for_accounting(impl, case) if e.area not in {k.area for k in for_case(impl, case)}]

@@ -29,7 +29,8 @@ from conformance.checkpoints import read_weights
 from conformance.checkpoints.formats.nemo import inexpressible
 from conformance.core import stages
 from conformance.core.trace import Trace, Unsupported
-from conformance.loading.accounting import Accounting, load_and_count, observed_knobs, rope_text, vocab_map
+from conformance.loading.accounting import (Accounting, load_and_count, mla_text, observed_knobs, rope_text,
+                                            vocab_map)
 from reference.eagle3 import DraftBatch, Eagle3Config
 
 # q_rot is a local of Eagle3LlamaAttention.forward (draft_llama.py:319-320, apply_rotary_pos_emb is a free
@@ -106,6 +107,8 @@ def knobs(loaded: "LoadedNemo", ckpt: dict[str, torch.Tensor]) -> dict:
     attn = inner.layers[0].self_attn
     seen = observed_knobs(loaded, inner.fc.in_features, cfg.vocab_size, ckpt, dict(model.named_parameters()))
     scaling = getattr(cfg, "rope_parameters", None) or {}
+    mla = hasattr(attn, "kv_lora_rank")   # DeepseekV3Eagle3DraftModel's MLA attention (draft_deepseek.py:82-132)
+    projections = [m for m in attn.children() if isinstance(m, torch.nn.Linear) and m is not attn.o_proj]
     return {
         "aux states x width": f"{inner.fc.in_features // model.target_hidden_size} x {model.target_hidden_size}",
         "fc": f"{inner.fc.in_features} -> {inner.fc.out_features}, {seen['fc']}",
@@ -113,9 +116,13 @@ def knobs(loaded: "LoadedNemo", ckpt: dict[str, torch.Tensor]) -> dict:
         "norm_before_residual": seen["norm_before_residual"],
         "norm_output": bool(getattr(cfg, "norm_output", False)),
         "layers": len(inner.layers),
-        "heads / kv heads / head_dim": f"{attn.num_heads}/{attn.num_key_value_heads}/{attn.head_dim}",
+        # MLA: every head attends the shared latent; head_dim is the rope slice, as DeepseekV3Config states it
+        "heads / kv heads / head_dim": f"{attn.num_heads}/{attn.num_heads}/{attn.qk_rope_head_dim}" if mla else
+                                       f"{attn.num_heads}/{attn.num_key_value_heads}/{attn.head_dim}",
+        **({"mla": mla_text(attn.q_lora_rank, attn.kv_lora_rank, attn.qk_nope_head_dim, attn.qk_rope_head_dim,
+                            attn.v_head_dim)} if mla else {}),
         "rope": rope_text(scaling.get("rope_type", "default"), scaling.get("rope_theta")),
-        "q/k/v bias": attn.q_proj.bias is not None,
+        "q/k/v bias": any(m.bias is not None for m in projections),
         "mlp bias": inner.layers[0].mlp.gate_proj.bias is not None,
         "sliding window": "none",
         "vocab / draft vocab": f"{cfg.vocab_size}/{model.draft_vocab_size}",

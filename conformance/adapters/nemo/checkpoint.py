@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from conformance.checkpoints import CONFIG_FILE
+from conformance.checkpoints.knobs import MLA_MODEL_TYPES
 
 CONSOLIDATED = Path("model") / "consolidated"   # under the recipe's epoch_<E>_step_<S> directory
 
@@ -31,14 +32,27 @@ def draft_config(raw: dict):
     return CONFIG_MAPPING[raw.get("model_type", "llama")].from_dict({**raw, "attn_implementation": "eager"})
 
 
-def build_draft(raw: dict, dtype: torch.dtype, device: str = "cpu"):
-    """LlamaEagle3DraftModel built and cast as the recipe does (train_eagle3.py:659). HF initialises its
-    parameters from the global generator: forked, so building a draft never moves other tests' streams."""
+def draft_class(raw: dict):
+    """The draft class the recipe builds for this config: NeMo's own registry on the target's architecture
+    (train_eagle3.py:547-552, speculative/eagle/registry.py:156-158), which the saved config does not state (it
+    says LlamaEagle3DraftModel for every draft, :613) but its model_type, the target's, does: DeepSeek-V3 targets
+    get DeepseekV3Eagle3DraftModel (registry.py:88), the suite's Llama-layer drafts LlamaEagle3DraftModel."""
     from nemo_automodel.components.speculative.eagle.draft_llama import LlamaEagle3DraftModel
+    from nemo_automodel.components.speculative.eagle.registry import resolve_eagle3_draft_spec
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    model_type = raw.get("model_type", "llama")
+    if model_type not in MLA_MODEL_TYPES:
+        return LlamaEagle3DraftModel
+    return resolve_eagle3_draft_spec([MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]).draft_cls
+
+
+def build_draft(raw: dict, dtype: torch.dtype, device: str = "cpu"):
+    """The draft built and cast as the recipe does (train_eagle3.py:659). HF initialises its
+    parameters from the global generator: forked, so building a draft never moves other tests' streams."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return LlamaEagle3DraftModel(draft_config(raw)).to(device=device, dtype=dtype)
+        return draft_class(raw)(draft_config(raw)).to(device=device, dtype=dtype)
 
 
 def checkpointer(root: Path, keys: list[str], consolidated: bool):

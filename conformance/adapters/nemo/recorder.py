@@ -33,7 +33,6 @@ class Recorder:
         d, m = self.draft, self.draft.model
         layer = m.layers[0]
         attn = layer.self_attn
-        nh, nkv, hd = attn.num_heads, attn.num_key_value_heads, attn.head_dim
         pending: dict[str, torch.Tensor] = {}   # fc and fc_norm run before step 0 is opened
 
         def open_step(_m, args):
@@ -64,14 +63,12 @@ class Recorder:
                 self.put("hidden_in", args[0], -1)
 
         p = "layers.0."
+        mla = hasattr(attn, "kv_lora_rank")   # DeepseekV3Eagle3DraftModel's Eagle3DeepseekMLAAttention
         hooks += [
             (layer.input_layernorm, "post", self.out(p + "embeds_norm", -1)),
             (layer.hidden_norm, "pre", hidden_norm_input),
             (layer.hidden_norm, "post", self.out(p + "hidden_norm", -1)),
-            (attn.q_proj, "pre", self.inp(p + "attn_in", -1)),
-            (attn.q_proj, "post", self.out(p + "q", nh, hd)),
-            (attn.k_proj, "post", self.out(p + "k", nkv, hd)),
-            (attn.v_proj, "post", self.out(p + "v", nkv, hd)),
+            *(self.mla_attention_hooks(p, attn) if mla else self.llama_attention_hooks(p, attn)),
             (attn.o_proj, "pre", self.inp(p + "attn_core", -1)),
             (attn.o_proj, "post", self.out(p + "attn_out", -1)),
             (layer.post_attention_layernorm, "pre", self.inp(p + "post_attn", -1)),
@@ -87,8 +84,44 @@ class Recorder:
         for module, kind, fn in hooks:
             register = module.register_forward_pre_hook if kind == "pre" else module.register_forward_hook
             self.handles.append(register(fn))
-        self.handles.append(attn.register_forward_hook(self.cached_keys(p, nkv), with_kwargs=True))
+        keys = self.mla_cached_keys(p, attn.qk_nope_head_dim) if mla else self.cached_keys(p, attn.num_key_value_heads)
+        self.handles.append(attn.register_forward_hook(keys, with_kwargs=True))
         return self
+
+    def llama_attention_hooks(self, p: str, attn) -> list:
+        nh, nkv, hd = attn.num_heads, attn.num_key_value_heads, attn.head_dim
+        return [(attn.q_proj, "pre", self.inp(p + "attn_in", -1)),
+                (attn.q_proj, "post", self.out(p + "q", nh, hd)),
+                (attn.k_proj, "post", self.out(p + "k", nkv, hd)),
+                (attn.v_proj, "post", self.out(p + "v", nkv, hd))]
+
+    def mla_attention_hooks(self, p: str, attn) -> list:
+        """Eagle3DeepseekMLAAttention._project_qkv / _assemble_qkv (draft_deepseek.py:175-206): its projections'
+        inputs and outputs. q_rot is a local of forward (:221, q_pe rotated and concatenated in _assemble_qkv)."""
+        nh, nope = attn.num_heads, attn.qk_nope_head_dim
+
+        def values(_m, _args, output):   # kv_b_proj's output per head is [k_nope | v] (:198-201)
+            self.put(p + "v", output.view(*output.shape[:2], nh, -1)[..., nope:], nh, attn.v_head_dim)
+
+        q_proj = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
+        hooks = [(attn.kv_a_proj_with_mqa, "pre", self.inp(p + "attn_in", -1)),
+                 (q_proj, "post", self.out(p + "q", nh, attn.qk_head_dim)),
+                 (attn.kv_a_layernorm, "post", self.out(p + "kv_latent", -1)),
+                 (attn.kv_b_proj, "post", values)]
+        if attn.q_lora_rank is not None:
+            hooks.append((attn.q_a_layernorm, "post", self.out(p + "q_latent", -1)))
+        return hooks
+
+    def mla_cached_keys(self, prefix: str, nope: int):
+        """k_rot: the keys this step appended to cache_hidden, [1, nh, T, nope + rope] (draft_deepseek.py:224-225),
+        each head [k_nope | the shared rope key after RoPE]; k_rope is that shared slice (head 0's)."""
+        def hook(_attn, args, _kwargs, _output):
+            cache = args[3]   # the layer passes it positionally (draft_deepseek.py:304)
+            if cache:
+                keys = cache[0][-1].transpose(1, 2)                           # [1, T, nh, nope + rope]
+                self.put(prefix + "k_rot", keys, *keys.shape[2:])
+                self.put(prefix + "k_rope", keys[:, :, 0, nope:], -1)
+        return hook
 
     def cached_keys(self, prefix: str, nkv: int):
         """k_rot: the post-RoPE keys this step appended to NeMo's cache_hidden (draft_llama.py:319-333),

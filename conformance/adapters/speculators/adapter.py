@@ -62,6 +62,9 @@ class SpeculatorsAdapter(AdapterBase):
     def unsupported(self, cfg: Eagle3Config) -> str | None:
         # target_hidden_size != hidden_size is not refused here: speculators' own loader fails on
         # it (fc is A*hidden_size -> hidden_size, core.py:76-78), and that failure is the finding.
+        if cfg.draft_arch == "mla":
+            return ("speculators 0.9.0 has no MLA draft layer: its draft layers are llama or qwen3 "
+                    "(speculators/models/eagle3/model_definitions.py:135-142)")
         return None
 
     def fc_runs(self, cfg: Eagle3Config) -> bool:

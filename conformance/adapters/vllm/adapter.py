@@ -82,6 +82,12 @@ class VLLMAdapter(AdapterBase):
         """Why this adapter's lane cannot run here (one line), or None."""
         return None if venv_python().exists() else MISSING
 
+    def unsupported(self, cfg: Eagle3Config) -> str | None:
+        if cfg.draft_arch == "mla":   # vLLM has one (issue 26), but this adapter's worker builds the Llama draft
+            return ("the vllm adapter drives vLLM's Llama EAGLE-3 draft only; vLLM 0.33.0's MLA draft "
+                    "(vllm/model_executor/models/deepseek_eagle3.py:274 Eagle3DeepseekV2ForCausalLM) is not driven yet")
+        return None
+
     def fc_runs(self, cfg: Eagle3Config) -> bool:
         return True   # combine_hidden_states always runs fc (llama_eagle3.py:397-418)
 

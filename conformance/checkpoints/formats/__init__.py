@@ -7,11 +7,13 @@ keeps every tensor bit-exact and every knob.
 | format        | config.json                                          | tensor names                      |
 |---------------|------------------------------------------------------|-----------------------------------|
 | speculators   | speculators_model_type eagle3, transformer_layer_config | layers.i.*, fc_norm.j.*        |
+|               | (MLA drafts: a DeepseekV3Config layer, the suite's own; speculators has none) |          |
 | sglang        | flat, architectures LlamaForCausalLMEagle3           | layers.i.*, fc_norm.j.*           |
 | sglang-legacy | same, `use_aux_norm` for fc_norm                     | midlayer.*, aux_norm_low/mid/high |
 | specforge     | flat LlamaConfig export: no eagle_config, SpecForge's norm_output | midlayer.*, no embed_tokens |
 | eagle         | original EAGLE-3: LlamaForCausalLM + draft_vocab_size (read only) | midlayer.*           |
 | nemo          | the target's LlamaConfig, architectures LlamaEagle3DraftModel | model.*, one shard + index |
+|               | (MLA drafts: the target's DeepseekV3Config, same architectures) |                           |
 | nemo-sglang   | nemo's, architectures renamed by NeMo's serve_sglang (read only) | model.*, fewer layers than stated |
 """
 from __future__ import annotations
@@ -64,10 +66,31 @@ def parse_config(raw: dict, file: Path, fmt: str | None = None, tensor_names: li
     return MODULES[fmt or config_format(raw, file, tensor_names)].parse(raw, file)
 
 
+# MLA drafts (draft_arch "mla"): not written by these formats, each with why (speculators' is written with a
+# DeepseekV3Config layer, the reference's own reading; the speculators adapter skips it).
+NO_MLA = {
+    sglang.NAME: "SGLang's MLA draft config (Eagle3DeepseekV2ForCausalLM, sglang/srt/models/kimi_k25_eagle3.py:315) "
+                 "is not written by the suite's sglang writer yet",
+    sglang_legacy.NAME: "SGLang's legacy layout is LlamaForCausalLMEagle3's (models/llama_eagle3.py:337-343)",
+}
+
+
 def config_json(cfg: Eagle3Config, fmt: str) -> dict:
     if fmt not in WRITABLE:
         raise ConversionError(f"cannot write format {fmt!r} (writable: {', '.join(WRITABLE)})")
+    if cfg.draft_arch == "mla" and fmt in NO_MLA:
+        raise ConversionError(f"{fmt} format cannot express draft_arch='mla': {NO_MLA[fmt]}")
     return MODULES[fmt].config_json(cfg)
+
+
+def unwritable(cfg: Eagle3Config, fmt: str) -> str | None:
+    """Why no checkpoint of `cfg` is written in format `fmt` (so an implementation that loads `fmt` cannot run the
+    case), or None."""
+    try:
+        config_json(cfg, fmt)
+    except ConversionError as exc:
+        return str(exc)
+    return None
 
 
 def from_canonical(name: str, fmt: str) -> str:

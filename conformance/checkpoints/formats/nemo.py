@@ -11,6 +11,9 @@ What the file says differently from what the draft is:
 - aux layer ids are not stated: NeMo's trainer captures `default_eagle3_aux_layer_ids(depth)` =
   outputs of layers [1, depth // 2 - 1, depth - 4] (target.py:42-61) unless the run set
   `recipe_args.aux_layer_ids`; in the training convention (input of layer i + 1) [2, depth // 2, depth - 3].
+MLA drafts (DeepseekV3Eagle3DraftModel, draft_deepseek.py: a DeepSeek-V3 target's draft) are saved the same way: the
+target's DeepseekV3Config with the draft keys and `architectures: ["LlamaEagle3DraftModel"]` (train_eagle3.py:613);
+model_type and the MLA widths (kv_lora_rank, ...) say which draft it is (speculative/eagle/registry.py:88).
 The writer refuses what NeMo cannot train (ConversionError naming it). Aux ids other than NeMo's default for
 the target depth (a run with recipe_args.aux_layer_ids) are not in NeMo's file: this writer adds them where
 SGLang reads them (`eagle_config`, output of layer i), as the SpecForge writer does, so a round trip keeps them.
@@ -46,8 +49,13 @@ CANNOT_EXPRESS = {
                              "target.py:71-75)",
     "sliding_window": "its draft attention has no window (draft_llama.py:379-417 _eager_attention_forward)",
     "tie_word_embeddings": "the recipe forces tie_word_embeddings false (train_eagle3.py:621)",
-    "draft_arch": "its draft layer is Llama-shaped for every target, without q_norm/k_norm "
-                  "(draft_llama.py:252-264 Eagle3LlamaAttention)",
+    "draft_arch": "its draft layer is Llama-shaped for every dense target, without q_norm/k_norm "
+                  "(draft_llama.py:252-264 Eagle3LlamaAttention); DeepSeek-V3 targets get its MLA draft "
+                  "(speculative/eagle/registry.py:88)",
+    # MLA drafts (DeepseekV3Eagle3DraftModel, draft_deepseek.py):
+    "rope_interleave": "its MLA draft always rotates the rope slice interleaved (draft_deepseek.py:221-222, "
+                       "models/deepseek_v3/rope_utils.py:122-156 apply_rotary_emb); it never reads rope_interleave",
+    "mlp_bias": "its MLA draft's MLP is nn.Linear(bias=False) (draft_deepseek.py:267-269)",
     "partial_rotary_factor": "its rotary computes inv_freq for the partial width (rope_utils.py:199-200) but "
                              "apply_rotary_pos_emb multiplies the whole head by it (rope_utils.py:71): a shape error",
 }
@@ -76,8 +84,11 @@ def target_depth(cfg: Eagle3Config) -> int:
 
 def inexpressible(cfg: Eagle3Config) -> dict[str, str]:
     """knob -> why, for every knob of `cfg` NeMo's draft cannot have (empty: it can express `cfg`)."""
+    mla = cfg.draft_arch == "mla"
     differs = {"sliding_window": cfg.sliding_window is not None,
-               **{knob: getattr(cfg, knob) != default for knob, default in DEFAULTS.items()}}
+               **{knob: getattr(cfg, knob) != default for knob, default in DEFAULTS.items()},
+               "draft_arch": cfg.draft_arch not in ("llama", "mla"),
+               "rope_interleave": mla and not cfg.rope_interleave, "mlp_bias": mla and cfg.mlp_bias}
     return {knob: why for knob, why in CANNOT_EXPRESS.items() if differs.get(knob, getattr(cfg, knob))}
 
 
@@ -87,7 +98,11 @@ def format_checks(knobs: dict, problems: list, notes: list) -> None:
     knobs["num_hidden_layers"] = 1
     notes.append(f"num_hidden_layers {depth} is the target's (NeMo copies the target's config, train_eagle3.py:610); "
                  "the draft has one layer (draft_llama.py:760)")
-    if knobs["draft_arch"] != "llama":
+    if knobs["draft_arch"] == "mla":
+        notes.append("a DeepSeek-V3 target's config: NeMo trains its MLA draft, DeepseekV3Eagle3DraftModel "
+                     "(speculative/eagle/registry.py:88), although the file says LlamaEagle3DraftModel "
+                     "(train_eagle3.py:613)")
+    elif knobs["draft_arch"] != "llama":
         notes.append(f"model_type {knobs['draft_arch']!r} is the target's; NeMo's draft layer is Llama-shaped "
                      "(draft_llama.py:252-264)")
         knobs["draft_arch"] = "llama"
@@ -104,6 +119,9 @@ def format_checks(knobs: dict, problems: list, notes: list) -> None:
     if knobs["sliding_window"] is not None:
         problems.append(("field sliding_window", f"{knobs['sliding_window']}: NeMo did not train it "
                                                  f"({CANNOT_EXPRESS['sliding_window']})"))
+    if knobs["draft_arch"] == "mla" and not knobs["rope_interleave"]:
+        problems.append(("field rope_interleave",
+                         f"false: NeMo did not train it ({CANNOT_EXPRESS['rope_interleave']})"))
     if knobs["partial_rotary_factor"] != 1:
         problems.append(("field partial_rotary_factor", f"{knobs['partial_rotary_factor']}: NeMo did not train it "
                                                         f"({CANNOT_EXPRESS['partial_rotary_factor']})"))
@@ -130,6 +148,8 @@ def config_json(cfg: Eagle3Config) -> dict:
         raise ConversionError(f"nemo format cannot express {knob}={getattr(cfg, knob)!r}: {reason}")
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default", **(cfg.rope_scaling or {})}
     depth = target_depth(cfg)
+    if cfg.draft_arch == "mla":
+        return mla_config_json(cfg, rope, depth)
     stated = {} if cfg.aux_layer_ids is None or nemo_default_aux_ids(depth) == tuple(cfg.aux_layer_ids) else \
         {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
                           "use_aux_hidden_state": True}}
@@ -175,6 +195,30 @@ def config_json(cfg: Eagle3Config) -> dict:
         "vocab_size": cfg.vocab_size,
         **stated,
     }
+
+
+def mla_config_json(cfg: Eagle3Config, rope: dict, depth: int) -> dict:
+    """An MLA draft's config.json as the recipe writes it: the DeepSeek-V3 target's config `to_dict()` with the
+    draft keys (train_eagle3.py:610-646), `architectures` LlamaEagle3DraftModel as for every draft (:613: the file
+    never names DeepseekV3Eagle3DraftModel; NeMo picks that class from the *target's* architectures,
+    speculative/eagle/registry.py:88, 156-158)."""
+    from transformers import DeepseekV3Config
+
+    target = DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=depth, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
+        rope_interleave=cfg.rope_interleave, attention_bias=False, tie_word_embeddings=False)
+    out = target.to_dict()
+    out.update(architectures=[ARCHITECTURE], draft_vocab_size=cfg.draft_vocab_size,
+               target_hidden_size=cfg.target_hidden_size, tie_word_embeddings=False, fc_norm=cfg.fc_norm,
+               norm_output=cfg.norm_output, parallel_drafting=False)
+    if cfg.aux_layer_ids is not None and nemo_default_aux_ids(depth) != tuple(cfg.aux_layer_ids):
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
+                               "use_aux_hidden_state": True}
+    return out
 
 
 def save_weights(stored: dict[str, torch.Tensor], out_dir: Path) -> list[Path]:

@@ -79,6 +79,10 @@ def layer_config(cfg: Eagle3Config) -> dict:
     }
     if cfg.draft_arch == "qwen3":   # Qwen3Config has no mlp_bias (Qwen3MLP: bias=False)
         del layer["mlp_bias"]
+    if cfg.draft_arch == "mla":   # a DeepseekV3Config layer: the suite's own (speculators has no MLA draft layer)
+        layer.update(model_type="deepseek_v3", q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                     qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                     v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave)
     if cfg.sliding_window is not None:
         layer.update(sliding_window=cfg.sliding_window, use_sliding_window=True,
                      layer_types=["sliding_attention"] * cfg.num_hidden_layers)
