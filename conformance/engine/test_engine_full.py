@@ -61,6 +61,18 @@ def test_drafts_what_the_default_engine_drafts(group, scenario, engine_lane, rep
     assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
 
 
+@pytest.mark.parametrize("group,scenario", [p for p in FULL_PARAMS if p.values[0].page_size > 1
+                                             and len(p.values[1].waves) > 1])
+def test_paged_radix_hits_are_whole_pages(group, scenario, engine_lane, report):
+    """A prompt served again after its request finished hits the radix cache in whole pages (SGLang's
+    cached_tokens a positive multiple of the page size), and the run above held it to the reference."""
+    _, scenario_run, _ = served(engine_lane, group, scenario, report)
+    later = scenario_run.requests[len(scenario.waves[0]):]
+    hits = {r.label: r.served.meta.get("cached_tokens") for r in later}
+    assert all(h and h % group.page_size == 0 for h in hits.values()), (
+        f"{scenario.id}: cached tokens per request of the later waves {hits}, page size {group.page_size}")
+
+
 def rank_disagreements(rank0: dict, other: dict, rank: int, head_sharded) -> list[str]:
     """Request by request, round by round, pass by pass: every stage that is not head-sharded (aux states
     received, the residual stream, logits after the all-gather) and the drafted tokens bitwise equal on
