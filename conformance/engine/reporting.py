@@ -3,11 +3,12 @@ lane of a server in an environment of its own (vLLM's, conformance/engine/test_v
 columns in the same order (server_row, request_row), so that their rows sit side by side in one table."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conformance.adapters import ADAPTERS, DEFAULT_SERVER
 from conformance.core.sections import Recorder, Section
-from conformance.engine.findings import RequestFinding
+from conformance.engine.findings import RequestFinding, scenario_findings
 from conformance.engine.lane import ENGINE, GroupRun
 
 # Section.ENGINE_SERVERS: one row per engine started. "overlap schedule off": SGLang's overlap scheduler, vLLM's
@@ -146,3 +147,13 @@ def record_served_request(report: Recorder, lane, scenario_id: str, f) -> None:
         "rounds conforming": f"{f.conforming_rounds}/{len(f.request.rounds)}",
         "first divergence": "none" if first is None else
         f"round {f.conforming_rounds}, step {first.step} `{first.stage}`"}))
+
+
+def served_scenario(lane, group, scenario, report):
+    """(group run, scenario run, findings) with the group's report rows; the engine's error fails the test."""
+    run = lane.run(group)
+    record_group(report, run, lane.recorded)
+    if run.error:
+        pytest.fail(run.error, pytrace=False)
+    scenario_run = run.scenarios[scenario.id]
+    return run, scenario_run, scenario_findings(lane, run, scenario_run)

@@ -20,8 +20,7 @@ from conformance.acceptance.trained_draft import TRAINERS
 from conformance.adapters import DEFAULT_TRAINER
 from conformance.engine.bridge import accept_rows, bridge_failures, other_trainer_groups, served_ks
 from conformance.engine.check import compare_tree_round
-from conformance.engine.findings import scenario_findings
-from conformance.engine.reporting import record_accept_rows, record_group, record_request
+from conformance.engine.reporting import served_scenario as served, record_accept_rows, record_group, record_request
 from conformance.engine.scenarios import GROUPS
 from reference.tree import ancestors
 
@@ -30,16 +29,6 @@ pytestmark = pytest.mark.engine
 ALL = [pytest.param(g, s, id=s.id) for g in GROUPS for s in g.scenarios]
 CHAINS = [pytest.param(g, s, id=s.id) for g in GROUPS if g.chain for s in g.scenarios]
 TREE_GROUPS = [g for g in GROUPS if not g.chain]
-
-
-def served(lane, group, scenario, report):
-    """(group run, scenario run, findings) with the group's report rows; the engine's error fails the test."""
-    run = lane.run(group)
-    record_group(report, run, lane.recorded)
-    if run.error:
-        pytest.fail(run.error, pytrace=False)
-    scenario_run = run.scenarios[scenario.id]
-    return run, scenario_run, scenario_findings(lane, run, scenario_run)
 
 
 @pytest.mark.parametrize("group,scenario", ALL)

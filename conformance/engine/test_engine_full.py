@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.engine.findings import scenario_findings
 from conformance.engine.lane import ENGINE
-from conformance.engine.reporting import record_group
+from conformance.engine.reporting import served_scenario as served
 from conformance.engine.scenarios import FULL_GROUPS, SCENARIOS, TWINS
 from conformance.engine.served import served_rounds
 from conformance.engine.twins import twin_failures
@@ -24,15 +23,6 @@ pytestmark = pytest.mark.engine_full
 FULL_PARAMS = [pytest.param(g, s, id=s.id) for g in FULL_GROUPS for s in g.scenarios]
 TWIN_PARAMS = [p for p in FULL_PARAMS if p.values[1].id in TWINS]
 TP_PARAMS = [p for p in FULL_PARAMS if p.values[0].tp_size > 1]
-
-
-def served(lane, group, scenario, report):
-    run = lane.run(group)
-    record_group(report, run, lane.recorded)
-    if run.error:
-        pytest.fail(run.error, pytrace=False)
-    scenario_run = run.scenarios[scenario.id]
-    return run, scenario_run, scenario_findings(lane, run, scenario_run)
 
 
 @pytest.mark.parametrize("group,scenario", FULL_PARAMS)
