@@ -148,9 +148,9 @@ def cuda_kernels(config, engine_items) -> None:
     with the line naming what is missing, and --require-gpu refuses the run with it."""
     if not engine_items:
         return
-    from conformance.adapters.sglang.engine_cuda import missing
+    from conformance.adapters import ADAPTERS, DEFAULT_SERVER
 
-    if (why := missing()) is None:
+    if (why := ADAPTERS[DEFAULT_SERVER].engine_cuda.missing()) is None:
         return
     if config.getoption("--require-gpu"):
         raise pytest.UsageError(f"--require-gpu: {len(engine_items)} engine gpu tests selected but {why}")

@@ -167,6 +167,8 @@ class DraftAdapter(Protocol):
                                                    # settings area and the user's check (adapters/sglang/settings.py)
     engine: ClassVar[ModuleType | None]            # its serving engine end to end: the engine lane
                                                    # (adapters/sglang/engine.py, its shims engine_shims.py)
+    engine_cuda: ClassVar[ModuleType | None]       # the same engine on a CUDA runner (make engine-gpu,
+                                                   # adapters/sglang/engine_cuda.py)
     training: ClassVar[ModuleType | None]          # its own training path: the acceptance area trains its tiny
                                                    # draft with it and predicts from its metrics; the module has
                                                    # train_draft(recipe, target, target_dir, train_ids) and
@@ -241,6 +243,7 @@ class AdapterBase:
     target_capture: ClassVar[ModuleType | None] = None
     server_settings: ClassVar[ModuleType | None] = None
     engine: ClassVar[ModuleType | None] = None
+    engine_cuda: ClassVar[ModuleType | None] = None
     training: ClassVar[ModuleType | None] = None
     training_capture: ClassVar[ModuleType | None] = None
     save_checkpoint: ClassVar[Callable[..., Path] | None] = None

@@ -46,10 +46,11 @@ class GpuEngineLane(EngineLane):
         return super().run(group if group.id.endswith(f"@{self.config.id}") else self.own(group))
 
     def start_engine(self, group: EngineGroup, capture: Path):
-        from conformance.adapters.sglang.engine_cuda import CudaServedEngine
+        from conformance.adapters import ADAPTERS, DEFAULT_SERVER
 
-        return CudaServedEngine(self.trained.target_dir, self.trained.checkpoints["sglang"], capture,
-                                {**group.server_args(), **self.config.server_args()})
+        served_engine = ADAPTERS[DEFAULT_SERVER].engine_cuda.CudaServedEngine
+        return served_engine(self.trained.target_dir, self.trained.checkpoints["sglang"], capture,
+                             {**group.server_args(), **self.config.server_args()})
 
     def greedy(self, prompt, new_tokens):
         return self.shared.greedy(prompt, new_tokens)

@@ -8,7 +8,6 @@ running-real-implementations.md); the runtime it needs is set up once per proces
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from pathlib import Path
 from types import ModuleType
@@ -19,10 +18,10 @@ import torch
 from conformance.adapters.base import AdapterBase, Drafter, TimedPass, chain_drafter
 
 from conformance.core.trace import Trace
-from conformance.adapters.sglang import drafting, engine, settings, target, tensor_parallel, weights
+from conformance.adapters.sglang import drafting, engine, engine_cuda, settings, target, tensor_parallel, weights
+from conformance.adapters.sglang.draft_model import NAME, load_model
 from conformance.adapters.sglang.recorder import Recorder, canonical_stages
 from conformance.adapters.sglang.runtime import attention_backend, ensure_runtime, forward_batch_on, forward_pass
-from conformance.checkpoints import weight_files
 from conformance.core import stages
 from conformance.loading.accounting import Accounting
 from reference.eagle3 import DraftBatch, Eagle3Config
@@ -33,7 +32,7 @@ TIMED = ("one draft EXTEND pass: init_forward_metadata + LlamaForCausalLMEagle3.
 
 
 class SGLangAdapter(AdapterBase):
-    name: ClassVar[str] = "sglang"
+    name: ClassVar[str] = NAME
     package: ClassVar[str | None] = "sglang"
     checkpoint_format: ClassVar[str] = "sglang"
     claimed_stages: ClassVar[frozenset[str]] = frozenset(stages.PRE + stages.LAYER + stages.POST)
@@ -44,6 +43,7 @@ class SGLangAdapter(AdapterBase):
     target_capture: ClassVar[ModuleType | None] = target     # its target classes, fed the ids it reads from a draft
     server_settings: ClassVar[ModuleType | None] = settings  # --sglang-args through SGLang's own ServerArgs
     engine: ClassVar[ModuleType | None] = engine             # SGLang's real Engine (the engine lane)
+    engine_cuda: ClassVar[ModuleType | None] = engine_cuda   # the same Engine on a CUDA runner (make engine-gpu)
     tensor_parallel: ClassVar[ModuleType | None] = tensor_parallel   # target and draft over gloo ranks (TP)
     releases: ClassVar[tuple[str, ...]] = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")   # differences: compat.py
     silent_drop: ClassVar[str | None] = ("load_weights loads a tensor only `if param_name in params_dict` "
@@ -74,49 +74,6 @@ class SGLangAdapter(AdapterBase):
 
     def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None) -> Accounting:
         return weights.account(self, Path(ckpt_dir), dtype, target)
-
-
-def load_model(ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = None, device: str = "cpu"):
-    """The draft's model class as SGLang resolves it, built from the directory's config.json and loaded through
-    its own `load_weights` (any EAGLE-3 class: the Llama one, or the MLA `Eagle3DeepseekV2ForCausalLM`)."""
-    runtime = ensure_runtime()
-    if torch.device(device).type != runtime["device"]:
-        raise ValueError(f"sglang: asked for device {device!r}, but SGLang chose its kernels for "
-                         f"{runtime['device']!r} on this host (is_cuda() at import)")
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
-    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-    from sglang.srt.runtime_context import get_spec
-    from sglang.srt.utils.hf_transformers.config import get_config
-
-    # SGLang's config path, minus its per-process cache (keyed by path only: a directory
-    # rewritten between tests would return a stale config); the model also writes into it.
-    config = get_config.__wrapped__(str(ckpt_dir), trust_remote_code=False)
-    model_class = draft_class(ckpt_dir, config)
-    with set_default_torch_dtype(dtype), get_spec().override(**(server_args or {})), torch.device(device):
-        model = model_class(config).eval()
-    # SGLang's loader reads every weight file the directory has (a shard index too, as NeMo writes it).
-    model.load_weights(safetensors_weights_iterator([str(p) for p in weight_files(Path(ckpt_dir))]))
-    return model
-
-
-def draft_class(ckpt_dir: Path, config):
-    """The draft's model class as SGLang's model runner resolves it from `architectures`
-    (model_loader/utils.py:198-234 get_model_architecture on the draft's ModelConfig): its own EAGLE-3 class by
-    that name at once (models/registry.py:97-103); any other name goes through SGLang's resolution, which refuses
-    a name neither SGLang nor transformers registers (model_loader/utils.py:155-161), e.g. NeMo Automodel's
-    LlamaEagle3DraftModel. Only an other name pays for that resolution (it imports every SGLang model module)."""
-    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
-
-    if list(getattr(config, "architectures", None) or []) == [LlamaForCausalLMEagle3.__name__]:
-        return LlamaForCausalLMEagle3
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_loader.utils import get_model_architecture
-
-    model_config = ModelConfig(str(ckpt_dir), is_draft_model=True, speculative_algorithm="EAGLE3",
-                               trust_remote_code=False)
-    with warnings.catch_warnings():   # importing its model modules: "Triton is not supported on current platform"
-        warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
-        return get_model_architecture(model_config)[0]
 
 
 class LoadedSGLang:

@@ -165,9 +165,9 @@ def account_mla(ckpt_dir: Path, dtype: torch.dtype) -> tuple[Accounting, object 
     """SGLang's MLA EAGLE-3 draft (models/kimi_k25_eagle3.py) built and loaded from `ckpt_dir` as SGLang resolves
     it, its load replayed and accounted for as the Llama draft's; (the account, the loaded model or None when
     SGLang refused it). Its knobs are not observed here (the MLA draft has no stage recorder yet)."""
-    from conformance.adapters.sglang.adapter import SGLangAdapter, load_model
+    from conformance.adapters.sglang.draft_model import NAME, load_model
 
-    acct, ckpt, model = load_and_count(SGLangAdapter.name, ckpt_dir, lambda: load_model(ckpt_dir, dtype))
+    acct, ckpt, model = load_and_count(NAME, ckpt_dir, lambda: load_model(ckpt_dir, dtype))
     if model is None:
         return acct, None
     replay(acct, ckpt, Path(ckpt_dir), model)
