@@ -47,6 +47,7 @@ class GroupRun:
     group: EngineGroup
     resolved: dict = field(default_factory=dict)     # server arguments as SGLang resolved them
     shims: dict = field(default_factory=dict)        # what the scheduler process changed (before -> after)
+    drafter: str = ""                                # the speculative worker class that drafted (its scheduler's)
     start_seconds: float = 0.0
     scenarios: dict[str, ScenarioRun] = field(default_factory=dict)
     error: str | None = None                         # the engine did not start or serve: one line
@@ -90,7 +91,7 @@ class EngineLane:
                     prompts = [self.prompt_ids(p) for p in wave]
                     served += zip(wave, engine.generate(prompts, scenario.new_tokens))
                 outputs.append((scenario, served, time.perf_counter() - start))
-            run.shims = engine.shims()
+            run.shims, run.drafter = engine.shims(), engine.drafter()
         except Exception as exc:
             first_line = str(exc).strip().splitlines()[0]
             run.error = f"engine {group.id} failed while serving: {type(exc).__name__}: {first_line}"

@@ -14,7 +14,8 @@ from conformance.engine.lane import ENGINE, GroupRun
 # Section.ENGINE_SERVERS: one row per engine started. "overlap schedule off": SGLang's overlap scheduler, vLLM's
 # async scheduling (each off here, so that the rounds are observed in order).
 SERVER_COLUMNS = ("engine", "requested (steps/topk/draft tokens)", "resolved (steps/topk/draft tokens)",
-                  "chunked prefill", "overlap schedule off", "radix cache off", "attention", "page size", "versions",
+                  "chunked prefill", "overlap schedule off", "radix cache off", "attention", "page size", "drafter",
+                  "versions",
                   "planted", "error")
 # Section.ENGINE: one row per served request; each server's accept length as it defines it (the accept-length
 # table says how: bridge.AcceptRow.measured_as), the reference's the same quotient of its rounds.
@@ -65,6 +66,7 @@ def record_group(report: Recorder, run: GroupRun, recorded: set) -> None:
         "chunked prefill": resolved.get("chunked_prefill_size"), "overlap schedule off": resolved.get(
             "disable_overlap_schedule"), "radix cache off": resolved.get("disable_radix_cache"),
         "attention": resolved.get("attention_backend"), "page size": resolved.get("page_size"),
+        "drafter": run.drafter,
         "planted": ", ".join(f"{k}={v}" for k, v in run.group.env.items()) or (
             "source_patcher config" if run.group.fault_yaml else ""),
         "versions": f"{ENGINE.NAME} {ADAPTERS[DEFAULT_SERVER].version()}, torch {torch.__version__}",
@@ -119,7 +121,7 @@ def record_served_group(report: Recorder, run, lane) -> None:
         "chunked prefill": r.get("long_prefill_token_threshold") or r.get("chunked prefill"),
         "overlap schedule off": None if "async scheduling" not in r else not r["async scheduling"],
         "radix cache off": not r.get("prefix caching", True), "attention": r.get("attention backend"),
-        "page size": r.get("block size"), "planted": run.planted or "",
+        "page size": r.get("block size"), "drafter": r.get("drafter"), "planted": run.planted or "",
         "versions": f"{lane.engine.PACKAGE} {r.get(lane.engine.NAME)}, torch {r.get('torch')}, {r.get('model runner')}",
         "error": run.error or ""}))
     report.add_timing({"engine": f"{lane.engine.NAME} {run.group.id}", "engine start s": round(run.start_seconds, 1),

@@ -155,6 +155,22 @@ def test_seed_flags_verify_width_is_what_sglang_resolved(group, scenario, engine
         assert q.served.meta["spec_accept_length"] <= resolved, f"{q.label}: accept length above the verify width"
 
 
+@pytest.mark.parametrize("group,scenario", ALL)
+def test_the_drafter_is_named(group, scenario, engine_lane, report):
+    """The report names the speculative worker class SGLang's scheduler built for each engine (which one serves
+    a draft depends on its flags: speculative/spec_info.py create_worker), and it is the one whose rounds the
+    capture observed (EAGLEWorkerV2's forward_batch_generation, engine_shims.Capture)."""
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+    run, scenario_run, _ = served(engine_lane, group, scenario, report)
+    module, _, name = run.drafter.rpartition(".")
+    assert module.startswith("sglang.srt.speculative"), f"{group.id}: drafter {run.drafter!r}"
+    built = getattr(__import__(module, fromlist=[name]), name)
+    assert issubclass(built, EAGLEWorkerV2) == any(q.rounds for q in scenario_run.requests), (
+        f"{group.id}: SGLang built {run.drafter}; the capture observed EAGLEWorkerV2 rounds: "
+        f"{any(q.rounds for q in scenario_run.requests)}")
+
+
 def test_training_accuracy_to_measured_accept_length(engine_lane, acceptance, report, repro):
     """Per chain K the lane served, speculators' predicted accept length next to the one SGLang's engine
     measured and the reference's simulation of the same requests (report table and accept_length.png).

@@ -179,6 +179,12 @@ class ServedEngine:
         path = self.capture_dir / "shims.json"
         return json.loads(path.read_text()) if path.is_file() else {}
 
+    def drafter(self) -> str:
+        """The speculative worker class SGLang's scheduler built (speculative/spec_info.py create_worker:
+        EAGLEWorkerV2, MultiLayerEagleWorkerV2, ...), as the capture saw it; "" when no capture ran."""
+        path = self.capture_dir / "drafter.txt"
+        return path.read_text().strip() if path.is_file() else ""
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[Served]:
         """Greedy generations of `prompts`, submitted together (one batch when they fit)."""
         start = time.perf_counter()

@@ -161,6 +161,7 @@ class Capture:
         from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
         from sglang.srt.speculative import eagle_worker_v2
         from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         capture = self
         generation = EAGLEWorkerV2.forward_batch_generation
@@ -206,6 +207,18 @@ class Capture:
                           mode=mode.name, batch_size=forward_batch.batch_size)
             return out
 
+        # Which speculative worker class the scheduler builds (scheduler.py:1063 -> spec_info.py create_worker:
+        # EAGLEWorkerV2, MultiLayerEagleWorkerV2, ...), for the report; the class is returned as it is.
+        create_worker = SpeculativeAlgorithm.create_worker
+
+        @functools.wraps(create_worker)
+        def create_worker_observed(algorithm, server_args):
+            worker_class = create_worker(algorithm, server_args)
+            name = "" if worker_class is None else f"{worker_class.__module__}.{worker_class.__name__}"
+            (capture.dir / "drafter.txt").write_text(name + "\n")
+            return worker_class
+
+        SpeculativeAlgorithm.create_worker = create_worker_observed
         EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
         eagle_worker_v2.build_eagle_verify_input = build_verify_input_recorded
         if passes:

@@ -72,6 +72,7 @@ def start(req: dict) -> dict:
     return {"start_seconds": round(time.time() - t0, 3), "planted": planted, "resolved": {
         "vllm": vllm.__version__, "torch": torch.__version__,
         "model runner": f"{type(runner).__module__}.{type(runner).__name__}",
+        "drafter": f"{type(runner.drafter).__module__}.{type(runner.drafter).__name__}",
         "V2 model runner": bool(config.use_v2_model_runner),
         "attention backend": runner.drafter.model.model.layers[0].self_attn.attn.attn_backend.get_name(),
         "num_speculative_tokens": spec.num_speculative_tokens, "method": spec.method,
