@@ -47,10 +47,10 @@ class GroupRun:
     group: EngineGroup
     resolved: dict = field(default_factory=dict)     # server arguments as SGLang resolved them
     shims: dict = field(default_factory=dict)        # what the scheduler process changed (before -> after)
-    drafter: str = ""                                # the speculative worker class that drafted (its scheduler's)
     start_seconds: float = 0.0
     scenarios: dict[str, ScenarioRun] = field(default_factory=dict)
     error: str | None = None                         # the engine did not start or serve: one line
+    drafter: str = ""                                # the speculative worker class its scheduler built
 
 
 class EngineLane:
