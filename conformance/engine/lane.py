@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from conformance.adapters import ADAPTERS, DEFAULT_SERVER, REFERENCE
+from conformance.adapters import ADAPTERS, DEFAULT_SERVER, DEFAULT_TRAINER, REFERENCE
 from conformance.engine.scenarios import EngineGroup, Prompt, Scenario
 from conformance.engine.served import ServedRound, gathered_rounds, served_rounds
 from conformance.engine.simulate import ReferenceRound, chain_rounds, tree_rounds
@@ -51,6 +51,7 @@ class GroupRun:
     scenarios: dict[str, ScenarioRun] = field(default_factory=dict)
     error: str | None = None                         # the engine did not start or serve: one line
     drafter: str = ""                                # the speculative worker class its scheduler built
+    trainer: str | None = None                       # whose draft it served, when not the default trainer's
 
 
 class EngineLane:
@@ -73,7 +74,7 @@ class EngineLane:
         return self._runs[group.id]
 
     def _serve(self, group: EngineGroup) -> GroupRun:
-        run = GroupRun(group)
+        run = GroupRun(group, trainer=None if self.trained.trainer == DEFAULT_TRAINER else self.trained.trainer)
         capture = self.root / group.id
         outputs: list[tuple[Scenario, list[tuple[Prompt, ENGINE.Served]], float]] = []
         try:

@@ -50,6 +50,12 @@ def fault_row(values: dict) -> dict:
     return _row(FAULT_COLUMNS, values)
 
 
+def engine_name(run: GroupRun) -> str:
+    """The engine's name in the report: its group, and whose draft it served when not the default trainer's (the
+    acceptance bridge serves each trainer's draft in the same groups)."""
+    return f"{ENGINE.NAME} {run.group.id}" + (f" ({run.trainer}-trained draft)" if run.trainer else "")
+
+
 def record_group(report: Recorder, run: GroupRun, recorded: set) -> None:
     """Once per engine: the server arguments requested and as SGLang resolved them (server_row), the timings
     (apart: they vary run to run, so they are not part of the report), and (once per session) the shims with
@@ -59,7 +65,7 @@ def record_group(report: Recorder, run: GroupRun, recorded: set) -> None:
     recorded.add(run.group.id)
     resolved = run.resolved
     report.add_row(Section.ENGINE_SERVERS, server_row({
-        "engine": f"{ENGINE.NAME} {run.group.id}",
+        "engine": engine_name(run),
         "requested (steps/topk/draft tokens)": f"{run.group.steps}/{run.group.topk}/{run.group.draft_tokens}",
         "resolved (steps/topk/draft tokens)": "/".join(str(resolved.get(k)) for k in (
             "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")),
@@ -71,7 +77,7 @@ def record_group(report: Recorder, run: GroupRun, recorded: set) -> None:
             "source_patcher config" if run.group.fault_yaml else ""),
         "versions": f"{ENGINE.NAME} {ADAPTERS[DEFAULT_SERVER].version()}, torch {torch.__version__}",
         "error": run.error or ""}))
-    report.add_timing({"engine": f"{ENGINE.NAME} {run.group.id}", "engine start s": round(run.start_seconds, 1),
+    report.add_timing({"engine": engine_name(run), "engine start s": round(run.start_seconds, 1),
                        "serving s": {s.scenario.id: round(s.seconds, 1) for s in run.scenarios.values()}})
     if "shims" not in recorded and run.shims:
         recorded.add("shims")
