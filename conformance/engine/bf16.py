@@ -58,6 +58,7 @@ class Bf16Finding:
     served_greedy: StageResult              # served tokens against the fp64 target's argmax on the served context
     # transformers' bf16 greedy token where it first leaves the served output, against the same fp64 argmax
     bf16_greedy_at_difference: StageResult | None = None
+    ties: int = 0                           # served tokens whose fp64 top two the bf16 bound cannot order
     rounds: list[Comparison] = field(default_factory=list)   # every round that could be built, in order
     structure: list[str] = field(default_factory=list)       # rounds the capture could not be laid on the context
 
@@ -91,7 +92,8 @@ class Bf16Finding:
     def lossless_summary(self) -> str:
         """Which greedy continuation the output equals, for the report."""
         g = self.request.served.output_ids
-        parts = [f"fp64 argmax on the served context: {'yes' if not self.served_greedy.failed else 'no'}"
+        parts = [f"{self.ties}/{len(g)} tokens at a bf16 tie",
+                 f"fp64 argmax on the served context: {'yes' if not self.served_greedy.failed else 'no'}"
                  + (f" ({self.served_greedy.detail})" if self.served_greedy.detail else ""),
                  f"fp32 greedy: {'equal' if g == self.greedy_fp32 else 'differs'}"]
         i = self.bf16_difference
@@ -180,7 +182,7 @@ def implied_accepted(drafts: list[int], output: list[int], committed: int, claim
 
 
 def greedy_checks(side_: Bf16Side, prompt: list[int], output: list[int],
-                  greedy_bf16: list[int]) -> tuple[StageResult, StageResult | None]:
+                  greedy_bf16: list[int]) -> tuple[StageResult, StageResult | None, int]:
     """Each served token against the fp64 target's argmax on the served context before it (target_ids: an id
     stage, exact but for ties the bf16 logits bound cannot order); and transformers' bf16 greedy token where it
     first leaves the served output (the context up to there is the same) held to the same rule: two bf16 greedy
@@ -193,12 +195,14 @@ def greedy_checks(side_: Bf16Side, prompt: list[int], output: list[int],
     room = allowed_error(tol_for("logits", BF16), BF16, precise, precise, same, depth=1)[0]
     served = compare_tensors(0, "target_ids", torch.tensor(output), expected, BF16, expected_logits=precise,
                              logits_allowed=room)
+    top = precise.topk(2, dim=-1)
+    ties = int((top.values[:, 0] - top.values[:, 1] <= room.gather(-1, top.indices).sum(-1)).sum())
     i = next((i for i, (a, b) in enumerate(zip(output, greedy_bf16)) if a != b), None)
     if i is None:
-        return served, None
+        return served, None, ties
     at = slice(i, i + 1)
     return served, compare_tensors(0, "target_ids", torch.tensor(greedy_bf16[at]), expected[at], BF16,
-                                   expected_logits=precise[at], logits_allowed=room[at])
+                                   expected_logits=precise[at], logits_allowed=room[at]), ties
 
 
 @one_thread()
