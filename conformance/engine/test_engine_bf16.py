@@ -66,10 +66,13 @@ def test_bf16_rounds_stage_by_stage(group, scenario, engine_lane, report, repro)
     _, _, findings = served(engine_lane, group, scenario, report)
     assert all(f.rounds for f in findings), "a request with no round compared"
     failures = [m for f in findings if (m := f.rounds_failure(repro))]
-    excess = max((r.excess or 0.0, r.stage) for f in findings for c in f.rounds for r in c.results)
+    results = [r for f in findings for c in f.rounds for r in c.results]
+    excess = max((r.excess or 0.0, r.stage) for r in results)
+    drafted = [r for r in results if r.stage == "target_ids"]
     print(f"bf16 rounds: {sum(len(f.rounds) for f in findings)} compared, "
-          f"{sum(r.verdict == 'ok' for f in findings for c in f.rounds for r in c.results)} stages within the bound, "
-          f"largest error/allowed {excess[0]:.3g} at {excess[1]}; "
+          f"{sum(r.verdict == 'ok' for r in results)} stages within the bound, largest error/allowed "
+          f"{excess[0]:.3g} at {excess[1]}; drafted tokens {len(drafted)}, "
+          f"{sum('excused' in r.detail for r in drafted)} of them excused as bf16 ties; "
           + " | ".join(f.lossless_summary() for f in findings))
     assert not failures, "\n\n".join(failures)
 
@@ -139,6 +142,13 @@ def test_bf16_planted_captured_stage_is_caught(plant, engine_lane, report, repro
                                               finding.case_id, rounds)
     assert not problems, problems
     hit = next(((i, c) for i, c in enumerate(comparisons) if c.first_divergence is not None), None)
+    first = None if hit is None else hit[1].first_divergence
+    report.add_row(Section.ENGINE_FAULTS, fault_row({
+        "server": f"{ENGINE.NAME} engine (bf16)", "fault": f"recorded: {plant}",
+        "how": f"{finding.case_id}: round {r}'s {where} pass, captured `{stage}` perturbed",
+        "lane failures": sum(c.first_divergence is not None for c in comparisons),
+        "first divergence": "none" if first is None else f"round {hit[0]}, step {first.step} `{first.stage}`",
+        "expected": "round {}, step {} `{}`".format(*expected)}))
     assert hit is not None, f"{plant}: the bf16 comparison passed with the planted stage"
     got = (hit[0], hit[1].first_divergence.step, hit[1].first_divergence.stage)
     message = hit[1].message(repro)
