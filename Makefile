@@ -70,8 +70,8 @@ test: venv lint
 # at tp_size=2 (conformance/engine/test_engine_full.py, two scheduler processes) and at page size 16, and a bf16
 # engine held stage by stage under the bf16 error model (conformance/engine/test_engine_bf16.py, two engines). In one
 # process (-n0): the engine lane serves one engine at a time. Measured in a fresh clone on the idle 2-core host:
-# 12 tests in 120 s, 2 min 5 s wall with collection and the report, before the bf16 tests; those alone: 8 tests in
-# 374 s on the shared host (another suite running).
+# 12 tests in 120 s, 2 min 5 s wall with collection and the report, before the bf16 tests; those alone on the
+# shared host: 8 tests in 197 s (374 s with another suite running).
 .PHONY: engine-full
 engine-full: venv
 	$(PYTEST) -n0 -m engine_full --report=$(REPORT)/engine-full
