@@ -41,8 +41,9 @@ def exact(step: int, stage: str, actual: torch.Tensor, expected: torch.Tensor) -
 
 
 def served_trace(served: ServedRound, last_row: int, num_layers: int, chain: bool,
-                 impl: str = IMPL) -> tuple[Trace, list]:
-    """The served round as a Trace on the reference's rows, and its positions per step."""
+                 impl: str = IMPL, dtype: torch.dtype = torch.float32) -> tuple[Trace, list]:
+    """The served round as a Trace on the reference's rows (`dtype`: what the engine served in), and its
+    positions per step."""
     n = sum(len(p.positions) for p in served.extend)
     rows0 = torch.arange(last_row + 1 - n, last_row + 1)
     cuts = torch.tensor([0] + [len(p.positions) for p in served.extend]).cumsum(0).tolist()
@@ -65,19 +66,22 @@ def served_trace(served: ServedRound, last_row: int, num_layers: int, chain: boo
             steps[k]["target_ids"], all_rows[k]["target_ids"] = token[None], torch.tensor([last_row])
     # A tree's drafted ids are its candidates (compared as the tree after the last step), not one per step.
     claimed = CLAIMED if chain else CLAIMED - {"target_ids"}
-    trace = Trace(impl=impl, dtype=torch.float32, steps=steps, rows=all_rows, claimed_stages=claimed,
+    trace = Trace(impl=impl, dtype=dtype, steps=steps, rows=all_rows, claimed_stages=claimed,
                   num_layers=num_layers)
     return trace, positions
 
 
 def compare_round(served: ServedRound, ref: ReferenceRound, case_id: str, chain: bool = True,
-                  impl: str = IMPL) -> Comparison:
+                  impl: str = IMPL, dtype: torch.dtype = torch.float32, same: Trace | None = None) -> Comparison:
     """Positions, then every canonical stage of every step, then (chains) the accepted drafts. `impl`: the
-    served side's name in the message (the engine that served it)."""
+    served side's name in the message (the engine that served it). An engine serving another dtype than fp32
+    (`dtype`) is compared under that dtype's error model (core/tolerances.py): `ref.trace` is then the fp64
+    reference and `same` the reference in `dtype`, on the same inputs."""
     layers = ref.trace.num_layers
-    trace, positions = served_trace(served, ref.last_row, layers, chain, impl)
+    trace, positions = served_trace(served, ref.last_row, layers, chain, impl, dtype)
     steps = min(len(trace.steps), len(ref.trace.steps))
-    cmp = compare_traces(trace, ref.trace, case_id, steps=steps)
+    precise = ref.trace if ref.trace.dtype == torch.float64 else None
+    cmp = compare_traces(trace, ref.trace, case_id, steps=steps, precise=precise, same=same)
     results = []
     if len(trace.steps) != len(ref.trace.steps):
         results.append(StageResult(steps - 1, "draft_passes", DIVERGED, detail=(

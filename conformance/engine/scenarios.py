@@ -38,6 +38,7 @@ class EngineGroup:
     chunked_prefill_size: int | None = None
     tp_size: int = 1                                # --tp-size: ranks, a scheduler process each
     page_size: int = 1                              # --page-size: KV tokens per page (paged KV, radix per page)
+    dtype: str = "float32"                          # --dtype: the lane's default; another is passed to SGLang
     env: dict = field(default_factory=dict)         # SGLang's own debug switches (planted faults)
     fault_yaml: str | None = None                   # a source_patcher config (planted faults)
 
@@ -50,6 +51,8 @@ class EngineGroup:
             args["tp_size"] = self.tp_size
         if self.page_size > 1:
             args["page_size"] = self.page_size
+        if self.dtype != "float32":
+            args["dtype"] = self.dtype
         return args
 
     @property
@@ -97,7 +100,14 @@ FULL_GROUPS = (
                  ((Prompt(7, 18),), (Prompt(7, 18), Prompt(7, 35))), new_tokens=20),
     )),
 )
+# bf16 (`make engine-full`, conformance/engine/test_engine_bf16.py): the batch prompts at K = 3 served in bfloat16,
+# held stage by stage under the bf16 error model (conformance/engine/bf16.py), not to the fp32 oracle above.
+BF16_GROUPS = (
+    EngineGroup("chain_k3_bf16", steps=3, topk=1, draft_tokens=4, dtype="bfloat16", scenarios=(
+        Scenario("batch_bf16", "bf16: three requests of 2, 5 and 9 tokens in one batch",
+                 ((Prompt(4, 2), Prompt(5, 5), Prompt(6, 9)),)),)),
+)
 # The scenario at the same prompts and flags in the default configuration (TP 1, page size 1): every round's
 # drafted tokens must be identical.
 TWINS = {"batch_tp2": "batch", "batch_page16": "batch"}
-SCENARIOS = {s.id: (g, s) for g in GROUPS + FULL_GROUPS for s in g.scenarios}
+SCENARIOS = {s.id: (g, s) for g in GROUPS + FULL_GROUPS + BF16_GROUPS for s in g.scenarios}
