@@ -40,6 +40,8 @@ class EngineGroup:
     page_size: int = 1                              # --page-size: KV tokens per page (paged KV, radix per page)
     env: dict = field(default_factory=dict)         # SGLang's own debug switches (planted faults)
     fault_yaml: str | None = None                   # a source_patcher config (planted faults)
+    max_total_tokens: int | None = None             # --max-total-tokens: the KV pool's tokens (None: the lane's)
+    draft_layers: int = 1                           # the trained draft's decoder layers (a lane of its own when > 1)
 
     def server_args(self) -> dict:
         args = dict(speculative_num_steps=self.steps, speculative_eagle_topk=self.topk,
@@ -50,6 +52,8 @@ class EngineGroup:
             args["tp_size"] = self.tp_size
         if self.page_size > 1:
             args["page_size"] = self.page_size
+        if self.max_total_tokens:
+            args["max_total_tokens"] = self.max_total_tokens
         return args
 
     @property
@@ -82,7 +86,8 @@ GROUPS = (
         Scenario("tree_k2_s3", "tree of topk 2, 3 steps, 6 draft tokens", _two(12)),)),
 )
 # The heavy groups (`make engine-full`, marker engine_full; never `make test`): tensor parallelism 2, each rank
-# a scheduler process of its own over gloo (start about 2.5 min on the 2-core host), and paged KV.
+# a scheduler process of its own over gloo (start about 2.5 min on the 2-core host), paged KV, a 2-layer draft (a
+# draft of its own to train, a few minutes once) and a KV pool small enough that the radix cache evicts.
 # Paged KV (page size 16, the Triton backend's paged path): the batch at page 1's prompts, and a request whose
 # prompt and drafts cross page boundaries, served again with a longer one (the radix cache matches whole pages only).
 FULL_GROUPS = (
@@ -96,6 +101,19 @@ FULL_GROUPS = (
                  "one of 35 tokens that shares its first page (a radix hit of one whole page)",
                  ((Prompt(7, 18),), (Prompt(7, 18), Prompt(7, 35))), new_tokens=20),
     )),
+    # The trained draft in two decoder layers (Recipe draft_layers=2, speculators' own training), served through
+    # whichever speculative worker SGLang's scheduler builds for it.
+    EngineGroup("chain_k3_two_layers", steps=3, topk=1, draft_tokens=4, draft_layers=2, scenarios=(
+        Scenario("two_layers", "a 2-layer trained draft, chain of 3: three requests of 2, 5 and 9 tokens in one batch",
+                 ((Prompt(4, 2), Prompt(5, 5), Prompt(6, 9)),)),)),
+    # A KV pool of 160 tokens: a 12-token prompt and its 16 tokens stay in the radix cache; two 52-token prompts
+    # then need more than the rest of the pool (their prompts, 16 tokens each and the drafts' slots), so SGLang
+    # evicts the least recently used node, the first request's; that prompt served again misses, beside a prompt
+    # of the evicting wave, which still hits whole.
+    EngineGroup("chain_k3_small_pool", steps=3, topk=1, draft_tokens=4, max_total_tokens=160, scenarios=(
+        Scenario("radix_evict", "a KV pool of 160 tokens: a 12-token prompt, then two of 52 tokens that evict it "
+                 "from the radix cache, then it again (a miss) beside one of them (a hit)",
+                 ((Prompt(20, 12),), (Prompt(21, 52), Prompt(22, 52)), (Prompt(20, 12), Prompt(21, 52)))),)),
 )
 # The scenario at the same prompts and flags in the default configuration (TP 1, page size 1): every round's
 # drafted tokens must be identical.
