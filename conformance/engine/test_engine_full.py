@@ -25,7 +25,7 @@ from conformance.engine.check import first_divergent_round
 from conformance.engine.findings import RequestFinding, drafter_failure
 from conformance.engine.lane import ENGINE, EngineLane, Request
 from conformance.engine.reporting import record_request, served_scenario as served
-from conformance.engine.scenarios import FULL_GROUPS, SCENARIOS, TWINS, Scenario
+from conformance.engine.scenarios import FULL_GROUPS, SCENARIOS, TWINS, Prompt, Scenario
 from conformance.engine.served import served_rounds
 from conformance.engine.simulate import chain_rounds
 from conformance.engine.twins import twin_failures
@@ -153,12 +153,17 @@ def test_the_drafter_is_named(group, scenario, engine_lane_for, report):
 
 # ---------------------------------------------------------------- radix-cache eviction (a small KV pool)
 
+def whole_hit(prompt: Prompt) -> int:
+    """The most of a prompt SGLang's radix cache can hit (cached_tokens): every token but the last, which it recomputes
+    for the logits (schedule_batch.py _compute_max_prefix_len), and with EAGLE one fewer, its tree being keyed by
+    bigrams of raw tokens (radix_cache.py RadixKey, maybe_to_bigram_view: N raw tokens are N - 1 bigrams)."""
+    return prompt.length - 2
+
+
 def eviction_failures(scenario: Scenario, requests: list[Request]) -> list[str]:
     """The last wave's requests by where their prompt was served before: a prompt last served before the evicting
-    wave (the one before last) must hit less than its whole prompt (it was evicted); one served in the evicting wave
-    must hit whole, every prompt token but the last, which SGLang recomputes for its logits (schedule_batch.py
-    _compute_max_prefix_len). A last wave without one of each is itself a failure (the scenario would show
-    nothing)."""
+    wave (the one before last) must hit less than whole (it was evicted); one served in the evicting wave must hit
+    whole. A last wave without one of each is itself a failure (the scenario would show nothing)."""
     *earlier, evicting, last = scenario.waves
     older = {p for wave in earlier for p in wave} - set(evicting)
     again = requests[len(requests) - len(last):]
@@ -169,14 +174,14 @@ def eviction_failures(scenario: Scenario, requests: list[Request]) -> list[str]:
         f"{len(kept)} of the evicting wave; the check needs one of each"]
     for r in evicted:
         cached = r.served.meta.get("cached_tokens")
-        if cached is None or cached >= r.prompt.length - 1:
+        if cached is None or cached >= whole_hit(r.prompt):
             out.append(f"{scenario.id}, {r.label}: served again after the evicting wave, cached_tokens {cached}: "
-                       f"not evicted (a whole hit is {r.prompt.length - 1})")
+                       f"not evicted (a whole hit is {whole_hit(r.prompt)})")
     for r in kept:
         cached = r.served.meta.get("cached_tokens")
-        if cached != r.prompt.length - 1:
+        if cached != whole_hit(r.prompt):
             out.append(f"{scenario.id}, {r.label}: served again right after the evicting wave, cached_tokens "
-                       f"{cached}, a whole hit is {r.prompt.length - 1}")
+                       f"{cached}, a whole hit is {whole_hit(r.prompt)}")
     return out
 
 
@@ -186,7 +191,9 @@ def test_evicted_prompt_misses_the_radix_cache(group, scenario, engine_lane, rep
     first prompt, evicted by the later wave's longer requests, misses the radix cache when served again, and a prompt
     of that later wave still hits whole (SGLang's cached_tokens); test_outputs_acceptance_and_rounds_equal_reference
     holds every one of these requests, the re-served ones included, to the reference."""
-    run, scenario_run, _ = served(engine_lane, group, scenario, report)
+    run, scenario_run, findings = served(engine_lane, group, scenario, report)
+    for f in findings:
+        record_request(report, scenario.id, f, scenario.new_tokens)
     assert run.resolved.get("max_total_num_tokens") == group.max_total_tokens, run.resolved
     failures = eviction_failures(scenario, scenario_run.requests)
     assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
@@ -201,7 +208,7 @@ def test_eviction_check_catches_a_hit_and_a_miss(group, scenario, engine_lane, r
     last = requests[len(requests) - len(scenario.waves[-1]):]
     for i, r in enumerate(last):
         first_seen = next(w for w, wave in enumerate(scenario.waves) if r.prompt in wave)
-        planted = r.prompt.length - 1 if first_seen < len(scenario.waves) - 2 else 0
+        planted = whole_hit(r.prompt) if first_seen < len(scenario.waves) - 2 else 0
         meta = {**r.served.meta, "cached_tokens": planted}
         swapped = dataclasses.replace(r, served=dataclasses.replace(r.served, meta=meta))
         found = eviction_failures(scenario, requests[:len(requests) - len(last)] + [
