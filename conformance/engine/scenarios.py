@@ -106,14 +106,15 @@ FULL_GROUPS = (
     EngineGroup("chain_k3_two_layers", steps=3, topk=1, draft_tokens=4, draft_layers=2, scenarios=(
         Scenario("two_layers", "a 2-layer trained draft, chain of 3: three requests of 2, 5 and 9 tokens in one batch",
                  ((Prompt(4, 2), Prompt(5, 5), Prompt(6, 9)),)),)),
-    # A KV pool of 160 tokens: a 12-token prompt and its 16 tokens stay in the radix cache; two 52-token prompts
-    # then need more than the rest of the pool (their prompts, 16 tokens each and the drafts' slots), so SGLang
-    # evicts the least recently used node, the first request's; that prompt served again misses, beside a prompt
-    # of the evicting wave, which still hits whole.
-    EngineGroup("chain_k3_small_pool", steps=3, topk=1, draft_tokens=4, max_total_tokens=160, scenarios=(
-        Scenario("radix_evict", "a KV pool of 160 tokens: a 12-token prompt, then two of 52 tokens that evict it "
-                 "from the radix cache, then it again (a miss) beside one of them (a hit)",
-                 ((Prompt(20, 12),), (Prompt(21, 52), Prompt(22, 52)), (Prompt(20, 12), Prompt(21, 52)))),)),
+    # A KV pool of 96 tokens. A 12-token request leaves its prompt and its output in the radix cache as two nodes
+    # (27 tokens of KV). A 60-token request then needs more than the 69 tokens left (75, besides its drafts' slots):
+    # SGLang evicts the least recently used leaf, the first request's output, and its prompt still hits. A second
+    # 60-token request needs nearly the whole pool: the first prompt's node goes too. Served again, the second
+    # 60-token prompt comes first and hits whole (its node locked while it runs); the first prompt, after it, misses.
+    EngineGroup("chain_k3_small_pool", steps=3, topk=1, draft_tokens=4, max_total_tokens=96, scenarios=(
+        Scenario("radix_evict", "a KV pool of 96 tokens: a 12-token prompt, then two of 60 tokens in turn that evict "
+                 "it from the radix cache, then the last of them again (a whole hit) and the first (a miss)",
+                 ((Prompt(20, 12),), (Prompt(21, 60),), (Prompt(22, 60),), (Prompt(22, 60), Prompt(20, 12)))),)),
 )
 # The scenario at the same prompts and flags in the default configuration (TP 1, page size 1): every round's
 # drafted tokens must be identical.
