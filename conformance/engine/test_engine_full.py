@@ -11,6 +11,7 @@ Heavy (the two-rank engine starts in about 2.5 minutes on the 2-core host): mark
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 
@@ -248,28 +249,18 @@ def test_multi_layer_outputs_are_the_targets_greedy_continuation(group, scenario
     assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
 
 
-@pytest.mark.parametrize("group,scenario", LAYERED)
-def test_multi_layer_rounds_vs_reference(group, scenario, engine_lane_for, report, repro, request):
-    """Every round stage by stage against the reference (speculators' training semantics), and SGLang's accept
-    accounting against its simulation. The registry's draft entries are read at run time (they need the trained
-    draft's knobs); when one applies (SGLang 0.5.20-0.5.23, more than one layer: `sglang-hidden-norm-on-later-layers`,
-    step 0 `layers.1.hidden_norm`), the test is a strict xfail that only this satisfies: every request leaves the
-    reference in its first round at exactly the entry's step and stage, and equals, round for round and in SGLang's
-    accept accounting, the reference on the draft as SGLang loads it (the entry's neutral_weights set to ones). A
-    request that conforms, diverges elsewhere or later, or differs from the draft as SGLang loads it fails."""
-    lane = engine_lane_for(group)
-    _, _, findings = served(lane, group, scenario, report)
-    known = known_draft_entries(lane)
-    if known:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=KnownDivergenceHit,
-                                              reason="; ".join(e.describe() for e in known)))
-    for f in findings:
-        record_request(report, scenario.id, f, scenario.new_tokens)
+def settle_layered(lane: EngineLane, group, scenario: Scenario, findings: list[RequestFinding], known: tuple,
+                   repro: str) -> None:
+    """Pass when every request conforms and no entry applies; KnownDivergenceHit only when every request leaves the
+    reference in its first round at exactly the deciding entry's step and stage and equals, round for round and in
+    SGLang's accept accounting, the reference on the draft as SGLang loads it; any other outcome (a conforming
+    request where an entry applies, another place, a later round, a round the entry does not explain) fails with the
+    full message."""
+    __tracebackhide__ = True
     layers = lane.trained.config.num_hidden_layers
     hits = []
     for i, f in enumerate(findings):
         first = None if f.divergence is None else f.divergence.first_divergence
-        hit = None if first is None else match_forward(known, first, layers)
         if first is None:
             if failure := f.rounds_failure(repro) or f.acceptance_failure(scenario.new_tokens):
                 raise AssertionError(failure)
@@ -277,6 +268,7 @@ def test_multi_layer_rounds_vs_reference(group, scenario, engine_lane_for, repor
                 raise AssertionError(f"{f.request.label}: every round conforms, yet the registry says SGLang "
                                      f"diverges here: {'; '.join(e.describe() for e in known)}\n  repro: {repro}")
             continue
+        hit = match_forward(known, first, layers)
         if not hit or f.conforming_rounds != 0:
             raise AssertionError(f.divergence.message(repro))
         explained = chain_rounds(as_sglang_loads_it(lane, hit), lane.target, torch.tensor(f.request.served.prompt),
@@ -293,3 +285,52 @@ def test_multi_layer_rounds_vs_reference(group, scenario, engine_lane_for, repor
         settle(f"{len(hits)} of {len(findings)} requests leave the reference in round 0 at the registered step and "
                f"stage, each equal round for round (and in SGLang's accept accounting) to the reference on the draft "
                f"as SGLang loads it; the first:\n{f.divergence.message(repro)}", entry)
+
+
+@pytest.mark.parametrize("group,scenario", LAYERED)
+def test_multi_layer_rounds_vs_reference(group, scenario, engine_lane_for, report, repro, request):
+    """Every round stage by stage against the reference (speculators' training semantics), and SGLang's accept
+    accounting against its simulation. The registry's draft entries are read at run time (they need the trained
+    draft's knobs); when one applies (SGLang 0.5.20-0.5.23, more than one layer: `sglang-hidden-norm-on-later-layers`,
+    step 0 `layers.1.hidden_norm`), the test is a strict xfail that only this satisfies: every request leaves the
+    reference in its first round at exactly the entry's step and stage, and equals, round for round and in SGLang's
+    accept accounting, the reference on the draft as SGLang loads it (the entry's neutral_weights set to ones)."""
+    lane = engine_lane_for(group)
+    _, _, findings = served(lane, group, scenario, report)
+    known = known_draft_entries(lane)
+    if known:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=KnownDivergenceHit,
+                                              reason="; ".join(e.describe() for e in known)))
+    for f in findings:
+        record_request(report, scenario.id, f, scenario.new_tokens)
+    settle_layered(lane, group, scenario, findings, known, repro)
+
+
+def planted_finding(lane: EngineLane, f: RequestFinding, round_: int, stage: str, case: str) -> RequestFinding:
+    """`f` with its served round `round_`'s step-0 `stage` moved by 1e-3 (its last pass's rows), compared anew."""
+    rounds = copy.deepcopy(f.request.rounds)
+    last = rounds[round_].extend[-1]
+    last.rows[stage] = last.rows[stage] + 1e-3
+    request = dataclasses.replace(f.request, rounds=rounds)
+    return RequestFinding(request, f.greedy, f.reference, *first_divergent_round(rounds, f.reference, case))
+
+
+@pytest.mark.parametrize("group,scenario", LAYERED)
+def test_layered_check_rejects_other_divergences(group, scenario, engine_lane_for, report):
+    """Meta: the strict xfail above is satisfied by the registered divergence only. Planted in the first request's
+    served rounds: its round-1 step-0 `fc_out` moved (the first divergence is still the registered one, but the round
+    no longer equals the draft as SGLang loads it), and its round-0 step-0 `embeds` moved (a divergence before the
+    registered stage): each fails as a plain failure naming the planted round and stage, not as the known hit."""
+    lane = engine_lane_for(group)
+    _, _, findings = served(lane, group, scenario, report)
+    known = known_draft_entries(lane)
+    assert known, "no registry entry applies to the 2-layer draft: nothing to plant against"
+    with pytest.raises(KnownDivergenceHit):
+        settle_layered(lane, group, scenario, findings, known, "repro")
+    for round_, stage, named in ((1, "fc_out", "round 1"), (0, "embeds", "round 0")):
+        planted = planted_finding(lane, findings[0], round_, stage, f"{scenario.id}, planted {stage}")
+        with pytest.raises(AssertionError) as caught:
+            settle_layered(lane, group, scenario, [planted] + findings[1:], known, "repro")
+        message = str(caught.value)
+        assert not isinstance(caught.value, KnownDivergenceHit), f"planted {stage}: taken for the known hit"
+        assert named in message and f"'{stage}'" in message, f"planted {stage}:\n{message}"
