@@ -67,9 +67,11 @@ test: venv lint
 # The heavy server lanes, never part of `make test` (marker engine_full): tensor parallelism 2 on CPU through
 # SGLang's own distributed code over gloo, the draft forward with its target and draft sharded over two rank
 # processes (conformance/draft/test_tensor_parallel.py, two planted rank faults) and the engine lane's chain
-# at tp_size=2 (conformance/engine/test_engine_full.py, two scheduler processes) and at page size 16. In one
+# at tp_size=2 (conformance/engine/test_engine_full.py, two scheduler processes), at page size 16, on a 96-token KV
+# pool whose radix cache evicts, and a 2-layer trained draft (its own training, about 95 s once, cached). In one
 # process (-n0): the engine lane serves one engine at a time. Measured in a fresh clone on the idle 2-core host:
-# 12 tests in 120 s, 2 min 5 s wall with collection and the report.
+# 12 tests in 120 s, 2 min 5 s wall with collection and the report, before the small pool and the 2-layer draft;
+# those two add 8 tests, 179 s (3 min 9 s wall alone, measured on the 2-core host at load average about 2).
 .PHONY: engine-full
 engine-full: venv
 	$(PYTEST) -n0 -m engine_full --report=$(REPORT)/engine-full
