@@ -187,12 +187,12 @@ def eviction_failures(scenario: Scenario, requests: list[Request]) -> list[str]:
 
 
 @pytest.mark.parametrize("group,scenario", POOL_PARAMS)
-def test_evicted_prompt_misses_the_radix_cache(group, scenario, engine_lane, report, repro):
+def test_evicted_prompt_misses_the_radix_cache(group, scenario, engine_lane_for, report, repro):
     """The small pool is what it claims: SGLang sized its KV pool as asked (the scheduler's max_total_num_tokens), the
     first prompt, evicted by the later wave's longer requests, misses the radix cache when served again, and a prompt
     of that later wave still hits whole (SGLang's cached_tokens); test_outputs_acceptance_and_rounds_equal_reference
     holds every one of these requests, the re-served ones included, to the reference."""
-    run, scenario_run, findings = served(engine_lane, group, scenario, report)
+    run, scenario_run, findings = served(engine_lane_for(group), group, scenario, report)
     for f in findings:
         record_request(report, scenario.id, f, scenario.new_tokens)
     assert run.resolved.get("max_total_num_tokens") == group.max_total_tokens, run.resolved
@@ -201,10 +201,10 @@ def test_evicted_prompt_misses_the_radix_cache(group, scenario, engine_lane, rep
 
 
 @pytest.mark.parametrize("group,scenario", POOL_PARAMS)
-def test_eviction_check_catches_a_hit_and_a_miss(group, scenario, engine_lane, report):
+def test_eviction_check_catches_a_hit_and_a_miss(group, scenario, engine_lane_for, report):
     """Meta: the check above fails, naming the request, when the re-served first prompt hit whole (no eviction:
     planted in its meta_info) and when the evicting wave's prompt missed (planted likewise)."""
-    _, scenario_run, _ = served(engine_lane, group, scenario, report)
+    _, scenario_run, _ = served(engine_lane_for(group), group, scenario, report)
     requests = scenario_run.requests
     last = requests[len(requests) - len(scenario.waves[-1]):]
     for i, r in enumerate(last):
