@@ -67,11 +67,10 @@ test: venv lint
 # The heavy server lanes, never part of `make test` (marker engine_full): tensor parallelism 2 on CPU through
 # SGLang's own distributed code over gloo, the draft forward with its target and draft sharded over two rank
 # processes (conformance/draft/test_tensor_parallel.py, two planted rank faults) and the engine lane's chain
-# at tp_size=2 (conformance/engine/test_engine_full.py, two scheduler processes) and at page size 16, and a bf16
+# at tp_size=2 (conformance/engine/test_engine_full.py, two scheduler processes), at page size 16, on a 96-token KV
+# pool whose radix cache evicts, a 2-layer trained draft (its own training, about 95 s once, cached), and a bf16
 # engine held stage by stage under the bf16 error model (conformance/engine/test_engine_bf16.py, two engines). In one
-# process (-n0): the engine lane serves one engine at a time. Measured in a fresh clone on the idle 2-core host:
-# 12 tests in 120 s, 2 min 5 s wall with collection and the report, before the bf16 tests; those alone on the
-# shared host: 8 tests in 197 s (374 s with another suite running).
+# process (-n0): the engine lane serves one engine at a time. MEASURED_ENGINE_FULL
 .PHONY: engine-full
 engine-full: venv
 	$(PYTEST) -n0 -m engine_full --report=$(REPORT)/engine-full

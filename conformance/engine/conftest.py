@@ -35,6 +35,30 @@ def engine_lane_of(engine_lane, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def engine_lane_for(engine_lane, tmp_path_factory):
+    """group -> the engine lane serving the trained draft of the group's `draft_layers` (the default lane's recipe in
+    that many decoder layers; 1: `engine_lane`); each started when first asked for, every engine shut down at the
+    end. A lane serves one engine at a time and shuts it down once served, so lanes never hold two engines."""
+    import dataclasses
+
+    from conformance.engine.lane import EngineLane
+    from conformance.acceptance.trained_draft import trained_draft
+
+    lanes = {engine_lane.trained.recipe.draft_layers: engine_lane}
+
+    def of(group):
+        if group.draft_layers not in lanes:
+            recipe = dataclasses.replace(engine_lane.trained.recipe, draft_layers=group.draft_layers)
+            root = tmp_path_factory.mktemp(f"engine-{group.draft_layers}-layers")
+            lanes[group.draft_layers] = EngineLane(trained_draft(recipe), root)
+        return lanes[group.draft_layers]
+    yield of
+    for lane in lanes.values():
+        if lane is not engine_lane:
+            lane.close()
+
+
+@pytest.fixture(scope="session")
 def served_lanes(tmp_path_factory):
     """The engine lanes of servers in environments of their own (conformance/engine/served_lane.py): one per engine
     module, each group served once per session."""

@@ -110,3 +110,19 @@ def lane_failures(lane: EngineLane, run: GroupRun, repro: str) -> list[str]:
             failures += [m for m in (f.lossless_failure(), f.acceptance_failure(scenario.scenario.new_tokens),
                                      f.rounds_failure(repro)) if m]
     return failures
+
+
+def drafter_failure(run: GroupRun) -> str | None:
+    """The speculative worker class SGLang's scheduler built (speculative/spec_info.py create_worker; which one depends
+    on the flags), named in the report, must be the one whose rounds the capture observed (EAGLEWorkerV2's
+    forward_batch_generation, engine_shims.Capture): a worker of another class would serve unobserved."""
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+    module, _, name = run.drafter.rpartition(".")
+    if not module.startswith("sglang.srt.speculative"):
+        return f"{run.group.id}: drafter {run.drafter!r} is not one of SGLang's speculative workers"
+    built = getattr(__import__(module, fromlist=[name]), name)
+    observed = any(q.rounds for s in run.scenarios.values() for q in s.requests)
+    if issubclass(built, EAGLEWorkerV2) != observed:
+        return (f"{run.group.id}: SGLang built {run.drafter}; the capture observed EAGLEWorkerV2 rounds: {observed}")
+    return None

@@ -41,6 +41,8 @@ class EngineGroup:
     dtype: str = "float32"                          # --dtype: the lane's default; another is passed to SGLang
     env: dict = field(default_factory=dict)         # SGLang's own debug switches (planted faults)
     fault_yaml: str | None = None                   # a source_patcher config (planted faults)
+    max_total_tokens: int | None = None             # --max-total-tokens: the KV pool's tokens (None: the lane's)
+    draft_layers: int = 1                           # the trained draft's decoder layers (a lane of its own when > 1)
 
     def server_args(self) -> dict:
         args = dict(speculative_num_steps=self.steps, speculative_eagle_topk=self.topk,
@@ -53,6 +55,8 @@ class EngineGroup:
             args["page_size"] = self.page_size
         if self.dtype != "float32":
             args["dtype"] = self.dtype
+        if self.max_total_tokens:
+            args["max_total_tokens"] = self.max_total_tokens
         return args
 
     @property
@@ -85,7 +89,8 @@ GROUPS = (
         Scenario("tree_k2_s3", "tree of topk 2, 3 steps, 6 draft tokens", _two(12)),)),
 )
 # The heavy groups (`make engine-full`, marker engine_full; never `make test`): tensor parallelism 2, each rank
-# a scheduler process of its own over gloo (start about 2.5 min on the 2-core host), and paged KV.
+# a scheduler process of its own over gloo (start about 2.5 min on the 2-core host), paged KV, a 2-layer draft (a
+# draft of its own to train, a few minutes once) and a KV pool small enough that the radix cache evicts.
 # Paged KV (page size 16, the Triton backend's paged path): the batch at page 1's prompts, and a request whose
 # prompt and drafts cross page boundaries, served again with a longer one (the radix cache matches whole pages only).
 FULL_GROUPS = (
@@ -99,6 +104,20 @@ FULL_GROUPS = (
                  "one of 35 tokens that shares its first page (a radix hit of one whole page)",
                  ((Prompt(7, 18),), (Prompt(7, 18), Prompt(7, 35))), new_tokens=20),
     )),
+    # The trained draft in two decoder layers (Recipe draft_layers=2, speculators' own training), served through
+    # whichever speculative worker SGLang's scheduler builds for it.
+    EngineGroup("chain_k3_two_layers", steps=3, topk=1, draft_tokens=4, draft_layers=2, scenarios=(
+        Scenario("two_layers", "a 2-layer trained draft, chain of 3: three requests of 2, 5 and 9 tokens in one batch",
+                 ((Prompt(4, 2), Prompt(5, 5), Prompt(6, 9)),)),)),
+    # A KV pool of 96 tokens. A 12-token request leaves its prompt and its output in the radix cache as two nodes
+    # (27 tokens of KV). A 60-token request then needs more than the 69 tokens left (75, besides its drafts' slots):
+    # SGLang evicts the least recently used leaf, the first request's output, and its prompt still hits. A second
+    # 60-token request needs nearly the whole pool: the first prompt's node goes too. Served again, the second
+    # 60-token prompt comes first and hits whole (its node locked while it runs); the first prompt, after it, misses.
+    EngineGroup("chain_k3_small_pool", steps=3, topk=1, draft_tokens=4, max_total_tokens=96, scenarios=(
+        Scenario("radix_evict", "a KV pool of 96 tokens: a 12-token prompt, then two of 60 tokens in turn that evict "
+                 "it from the radix cache, then the last of them again (a whole hit) and the first (a miss)",
+                 ((Prompt(20, 12),), (Prompt(21, 60),), (Prompt(22, 60),), (Prompt(22, 60), Prompt(20, 12)))),)),
 )
 # bf16 (`make engine-full`, conformance/engine/test_engine_bf16.py): the batch prompts at K = 3 served in bfloat16,
 # held stage by stage under the bf16 error model (conformance/engine/bf16.py), not to the fp32 oracle above.

@@ -38,7 +38,8 @@ BASE_ARGS = dict(
 RESOLVED_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
                    "attention_backend", "speculative_draft_attention_backend", "disable_overlap_schedule",
                    "chunked_prefill_size", "max_running_requests", "disable_radix_cache", "page_size",
-                   "disable_cuda_graph", "dtype", "device")
+                   "disable_cuda_graph", "dtype", "device",
+                   "max_total_num_tokens")   # the KV pool's tokens, as the scheduler sized it (get_init_info)
 
 
 def tp_environment(tp_size: int) -> dict[str, str]:
