@@ -220,19 +220,6 @@ def repro(request) -> str:
     return f"python -m pytest {shlex.quote(request.node.nodeid)}"
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session):
-    """Move everything imported so far (torch, transformers, sglang: millions of objects that live for the whole
-    run) out of the cyclic collector's reach. NeMo Automodel's Checkpointer.load_model ends in a full
-    gc.collect() (components/checkpoint/checkpointing.py:1207, :1460), which otherwise walks that whole heap on
-    every NeMo load: 0.6 s a load, a third of the NeMo lanes' time. Only the collector's scan changes: garbage made
-    after the freeze is still collected (test_gc_freeze_holds in conformance/meta/test_harness.py)."""
-    import gc
-
-    gc.collect()   # what is already garbage is freed, not frozen
-    gc.freeze()
-
-
 def pytest_sessionfinish(session, exitstatus):
     worker_output = getattr(session.config, "workeroutput", None)
     if worker_output is not None:   # a pytest-xdist worker: the controller writes the one report
