@@ -47,3 +47,34 @@ def test_the_engine_lane_is_one_scope_and_other_files_their_own():
     assert scope("conformance/draft/test_step0.py::t[a]") == scope("conformance/draft/test_step0.py::u")
     assert scope("conformance/draft/test_step0.py::t") != scope("conformance/draft/test_multistep.py::t")
     assert scope("conformance/draft/test_step0.py::t") != scope("conformance/engine/test_engine.py::t")
+
+
+def test_the_longest_files_are_handed_out_first():
+    """xdist orders files by their number of tests, which ran the acceptance lane (few tests, the longest file of
+    `make conformance`) last and alone. The scheduler hands out by cost: planted in xdist's order, the first
+    unit sent to a worker is the acceptance lane, then the step-0 file, then a small file."""
+    from collections import OrderedDict
+
+    from conformance.session.parallel import FileGroupScheduling
+
+    files = {"conformance/draft/test_step0.py": 248, "conformance/user/test_user_serving.py": 12,
+             "conformance/acceptance/test_acceptance.py": 9}
+    collection = [f"{path}::t[{i}]" for path, n in files.items() for i in range(n)]
+
+    class Worker:
+        def __init__(self):
+            self.sent = []
+
+        def send_runtest_some(self, indexes):
+            self.sent.append({collection[i].split("::")[0] for i in indexes})
+
+    sched = FileGroupScheduling.__new__(FileGroupScheduling)   # its state, without a pytest session behind it
+    worker = Worker()
+    sched.assigned_work, sched.registered_collections = {}, {worker: collection}
+    by_count = sorted(files, key=lambda path: -files[path])    # xdist's own order (loadscopereorder)
+    sched.workqueue = OrderedDict((path, {n: False for n in collection if n.startswith(path)}) for path in by_count)
+    assert list(sched.workqueue)[-1] == "conformance/acceptance/test_acceptance.py"
+    for _ in files:
+        sched._assign_work_unit(worker)
+    assert worker.sent == [{"conformance/acceptance/test_acceptance.py"}, {"conformance/draft/test_step0.py"},
+                           {"conformance/user/test_user_serving.py"}], worker.sent
