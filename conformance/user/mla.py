@@ -17,6 +17,7 @@ import torch
 from conformance.adapters.sglang.mla import PENDING, against_reference
 from conformance.core import registry
 from conformance.core.compare import Comparison, compare_tensors
+from conformance.core.stages import stage_kind
 from conformance.core.tolerances import AGAINST, DTYPES
 from reference.eagle3 import Eagle3Reference
 
@@ -64,11 +65,16 @@ def forward_comparison(store, dtype_name: str, steps: int) -> Comparison:
     finally:
         del model
     reference = Eagle3Reference(cfg, weights, AGAINST[dtype]).run(batch, steps)
+    # the reference in SGLang's dtype too, and the logits' depth in the pass: the error model's inputs, as
+    # compare_traces gives them
+    same = Eagle3Reference(cfg, weights, dtype).run(batch, steps) if AGAINST[dtype] != dtype else None
     per_step = len(results) // steps
     ordered = []
     for k in range(steps):   # per step: the attention's stages, then the step's logits
         ordered += results[k * per_step:(k + 1) * per_step]
-        ordered.append(compare_tensors(k, "logits", sglang_logits[k], reference[k]["logits"][last], dtype))
+        depth = list(n for n in reference[k] if stage_kind(n) != "ids").index("logits") + 1
+        ordered.append(compare_tensors(k, "logits", sglang_logits[k], reference[k]["logits"][last], dtype,
+                                       same=same[k]["logits"][last] if same else None, depth=depth))
     case_id = store.case.id if steps == 1 else f"{store.case.id}_{steps}_steps"
     return Comparison(IMPL, "reference", case_id, dtype, ordered,
                       notes=["SGLang's MLA draft (Eagle3DeepseekV2ForCausalLM) over its MLA KV pool: attention "

@@ -161,16 +161,22 @@ def against_reference(model, weights: dict[str, torch.Tensor], mla, aux: torch.T
     seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     last = torch.tensor(lengths).cumsum(0) - 1
     against = AGAINST[dtype]
-    w = {k: v.to(against) for k, v in weights.items() if v.is_floating_point()}
-    cache: tuple[list, list] = ([], [])
+    # The reference in `against` and, when that is another dtype, in SGLang's own: the error model's rho (how far
+    # rounding to `dtype` alone moves each stage), as compare_traces gives it the reference in the dtype.
+    refs = {d: ({k: v.to(d) for k, v in weights.items() if v.is_floating_point()}, ([], []))
+            for d in dict.fromkeys((against, dtype))}
     results = []
     for k, at in enumerate(seen):
-        x = at["layers.0.attn_in"].to(against)
-        if k:
-            x = torch.zeros(T, x.shape[1], dtype=against).index_copy(0, last, x)
-        cos, sin = rope_cos_sin(mla, positions + k, against)
-        _, expected = ref.mla_attention(x, w, "layers.0", mla, cos, sin, cache,
-                                        ref.visibility(seq_ids, index, step=k, window=None))
+        expected = {}
+        for d, (w, cache) in refs.items():
+            x = at["layers.0.attn_in"].to(d)
+            if k:
+                x = torch.zeros(T, x.shape[1], dtype=d).index_copy(0, last, x)
+            cos, sin = rope_cos_sin(mla, positions + k, d)
+            expected[d] = ref.mla_attention(x, w, "layers.0", mla, cos, sin, cache,
+                                            ref.visibility(seq_ids, index, step=k, window=None))[1]
         rows = slice(None) if k == 0 else last
-        results += [compare_tensors(k, s, at[s], expected[s][rows], dtype) for s in ATTENTION_STAGES]
+        results += [compare_tensors(k, s, at[s], expected[against][s][rows], dtype,
+                                    same=expected[dtype][s][rows] if dtype != against else None)
+                    for s in ATTENTION_STAGES]
     return results, [at["logits"] for at in seen]
