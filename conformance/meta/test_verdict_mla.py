@@ -26,7 +26,7 @@ import torch
 from conformance.checkpoints import open_checkpoint
 from conformance.checkpoints.errors import CheckpointError
 from conformance.meta.preloaded import Preloaded
-from conformance.meta.test_verdict import HEADLINE, KIMI, NO_XDIST, verdict_block
+from conformance.meta.test_verdict import HEADLINE, KIMI, NO_XDIST, NOT_CHECKED, verdict_block
 from conformance.user.verdict import EXIT_BAD_INPUT, EXIT_NOT_SERVED, EXIT_SERVED, NOT_SERVED, SERVED
 from fixtures.mla import ABSENT, LAYOUTS, make_mla_config, make_mla_weights, write_mla_checkpoint
 
@@ -147,3 +147,13 @@ def test_a_malformed_mla_draft_is_bad_input(changes, preloaded, tmp_path):
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert result.returncode == EXIT_BAD_INPUT, f"exit {result.returncode}:\n{result.stdout[-3000:]}"
     assert len(lines) == 1 and "config.json: field kv_lora_rank:" in lines[0], lines
+
+
+def test_a_trainer_that_cannot_load_an_mla_draft_is_not_checked(preloaded, tmp_path):
+    """speculators has no MLA draft layer: its checks did not run, and the verdict says so and why, never passed."""
+    result, report = check(preloaded, mla_draft(tmp_path), "--trainer=speculators")
+    m = headline(result)
+    assert result.returncode == NOT_CHECKED and m[3], verdict_block(result.stdout)
+    unchecked = verdict_json(report)["not_checked"]
+    assert any(u["what"].startswith("step0 matches reference [speculators") and "no MLA draft layer" in u["how"]
+               for u in unchecked), unchecked

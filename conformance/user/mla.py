@@ -80,3 +80,14 @@ def forward_comparison(store, dtype_name: str, steps: int) -> Comparison:
                       notes=["SGLang's MLA draft (Eagle3DeepseekV2ForCausalLM) over its MLA KV pool: attention "
                              "stages and logits (each request's last row)"])
 
+
+def unobserved_readings(store, accounts: dict) -> list[str]:
+    """The config keys a registered SGLang reading applies to on this draft that SGLang's MLA draft's accounting
+    cannot show (its layer has no stage recorder: norm_before_residual, the window): not checked, never passed."""
+    from conformance.user.readings import NOT_OBSERVED, names, observe
+
+    acct = accounts.get(IMPL)
+    if acct is None:
+        return []
+    entries = registry.applicable("reading", IMPL, names(store.inputs.checkpoint))
+    return sorted({e.key for e in entries if observe(acct, e.key).startswith(NOT_OBSERVED)})

@@ -118,6 +118,8 @@ def test_user_draft_implementations_read_the_file_alike(user_draft, report, verd
         verdict.add(problem, request.node.nodeid)
     if problems:
         fail(problems[0], verdict, request.node.nodeid, f"{problems[0].what}: {problems[0].evidence}")
+    if mla.is_mla(user_draft.inputs) and (keys := mla.unobserved_readings(user_draft, accounts)):
+        pytest.skip(f"SGLang's MLA draft's reading of {', '.join(keys)} (its MLA layer has no stage recorder here)")
 
 
 def check_forward(store, report, verdict, impl: str, dtype_name: str, nodeid: str, repro: str, steps: int):
