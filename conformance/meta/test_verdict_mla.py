@@ -115,6 +115,8 @@ def test_the_published_shape_is_served_as_trained_on_kimi(layout, preloaded, tmp
     assert any(n.startswith("test_user_draft_step0") for n in ran) and \
         any(n.startswith("test_user_draft_multistep") for n in ran), ran
     assert "sglang-mla format" in verdict["draft"] and "judged against training semantics" in verdict["trainer"]
+    wiring = json.loads((report / "report.json").read_text())["sections"]["wiring"]
+    assert [row["outcome"] for row in wiring if row["Case"] == "user wiring"] == ["pass"], wiring
 
 
 def test_a_server_context_past_the_drafts_positions_is_the_one_problem(preloaded, tmp_path):

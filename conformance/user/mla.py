@@ -18,11 +18,15 @@ from conformance.adapters.sglang.mla import PENDING, against_reference
 from conformance.core import registry
 from conformance.core.compare import Comparison, compare_tensors
 from conformance.core.stages import stage_kind
-from conformance.core.tolerances import AGAINST, DTYPES
+from conformance.core.tolerances import DTYPES
 from reference.eagle3 import Eagle3Reference
 
 IMPL = "sglang"
 MIN_TOKENS = 2   # mla_chain: a DECODE of each request's first token, an EXTEND of the rest
+
+
+class LoadRefused(Exception):
+    """SGLang did not build or load the MLA draft (its message: the loader's own words)."""
 
 
 def is_mla(inputs) -> bool:
@@ -44,13 +48,18 @@ def account(store):
 
 def forward_comparison(store, dtype_name: str, steps: int) -> Comparison:
     """SGLang's MLA chain over `steps` steps in `dtype_name` against the reference, on the store's samples and aux
-    states (the requests of MIN_TOKENS tokens or more), teacher-forced with each request's next training ids."""
+    states (the requests of MIN_TOKENS tokens or more), teacher-forced with the ids training's shift gives each
+    request's last row (training_data.teacher_forced_ids), fed to both. LoadRefused: SGLang did not build or load it."""
     from conformance.adapters.sglang.draft_model import load_model
     from conformance.checkpoints.training_data import make_data_batch
     from conformance.user.store import _weights
 
     cfg, dtype = store.inputs.config, DTYPES[dtype_name]
-    samples, aux = zip(*[(s, a) for s, a in zip(store.samples, store.aux()) if len(s.input_ids) - 1 >= MIN_TOKENS])
+    used = [(s, a) for s, a in zip(store.samples, store.aux()) if len(s.input_ids) - 1 >= MIN_TOKENS]
+    if not used:
+        raise ValueError(f"no sample of {MIN_TOKENS + 1} tokens or more: SGLang's MLA chain needs {MIN_TOKENS} per "
+                         "request (a DECODE of the first, an EXTEND of the rest)")
+    samples, aux = zip(*used)
     batch = make_data_batch(cfg, list(samples), list(aux), steps)
     lengths = [len(s.input_ids) - 1 for s in samples]
     last = torch.tensor(lengths).cumsum(0) - 1
@@ -58,16 +67,20 @@ def forward_comparison(store, dtype_name: str, steps: int) -> Comparison:
     # with the same id on the last rows (its other rows' step-k keys are visible to those rows alone).
     next_ids = batch.next_ids[last] if steps > 1 else None
     weights = _weights(store.inputs.checkpoint.path, cfg)
-    model = load_model(store.directory(IMPL, store.case), dtype)
+    against = dtype if dtype == torch.float32 else store.precise   # AGAINST, or fp32 for a large draft (the plan)
+    try:
+        model = load_model(store.directory(IMPL, store.case), dtype)
+    except Exception as exc:   # SGLang's own refusal, in its words
+        raise LoadRefused(f"{type(exc).__name__}: {exc}") from exc
     try:
         results, sglang_logits = against_reference(model, weights, cfg.mla, batch.aux.to(dtype), batch.input_ids,
-                                                   batch.positions, lengths, next_ids)
+                                                   batch.positions, lengths, next_ids, against)
     finally:
         del model
-    reference = Eagle3Reference(cfg, weights, AGAINST[dtype]).run(batch, steps)
+    reference = Eagle3Reference(cfg, weights, against).run(batch, steps)
     # the reference in SGLang's dtype too, and the logits' depth in the pass: the error model's inputs, as
     # compare_traces gives them
-    same = Eagle3Reference(cfg, weights, dtype).run(batch, steps) if AGAINST[dtype] != dtype else None
+    same = Eagle3Reference(cfg, weights, dtype).run(batch, steps) if against != dtype else None
     per_step = len(results) // steps
     ordered = []
     for k in range(steps):   # per step: the attention's stages, then the step's logits

@@ -147,8 +147,8 @@ def check_mla_forward(store, report, verdict, dtype_name: str, nodeid: str, repr
     cfg = store.inputs.config
     try:
         comparison = mla.forward_comparison(store, dtype_name, steps)
-    except Exception as exc:   # SGLang refused the draft: its own words, matched against its MLA load entries
-        message = f"{type(exc).__name__}: {exc}"
+    except mla.LoadRefused as exc:   # SGLang refused the draft: its own words, matched against its MLA load entries
+        message = str(exc)
         problem = load_problem(mla.IMPL, cfg, mla.known(store.case), message)
         fail(problem, verdict, nodeid, message, repro)
     problem = forward_problem(mla.IMPL, cfg, mla.known(store.case, "draft"), comparison, steps)

@@ -141,14 +141,15 @@ def _cached(kv, attn, slots: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def against_reference(model, weights: dict[str, torch.Tensor], mla, aux: torch.Tensor, input_ids: torch.Tensor,
-                      positions: torch.Tensor, lengths: list[int], next_ids: torch.Tensor | None = None
-                      ) -> tuple[list, list[torch.Tensor]]:
+                      positions: torch.Tensor, lengths: list[int], next_ids: torch.Tensor | None = None,
+                      against: torch.dtype | None = None) -> tuple[list, list[torch.Tensor]]:
     """SGLang's chain (`mla_chain`) and, per step, each attention stage compared with the reference's
     `mla_attention` (`mla`: its MLAConfig; `weights`: the checkpoint's, canonical names) fed SGLang's own attention
-    input, in the dtype the suite holds the model's dtype against (tolerances.AGAINST: fp32 itself, bf16 the fp64
-    reference). At step k >= 1 SGLang runs each request's last row only; the reference runs every row (its other
-    rows' inputs zero: a row's step-k key is visible to that row alone) and its last rows are compared. Returns the
-    StageResults, step by step in ATTENTION_STAGES order, and SGLang's logits per step (each request's last row)."""
+    input, in the dtype the suite holds the model's dtype against (`against`, default tolerances.AGAINST: fp32 itself,
+    bf16 the fp64 reference; a large user draft's plan gives fp32, conformance/user/plan.py). At step k >= 1 SGLang
+    runs each request's last row only; the reference runs every row (its other rows' inputs zero: a row's step-k key
+    is visible to that row alone) and its last rows are compared. Returns the StageResults, step by step in
+    ATTENTION_STAGES order, and SGLang's logits per step (each request's last row)."""
     from conformance.core.compare import compare_tensors
     from conformance.core.tolerances import AGAINST
     from reference import eagle3 as ref
@@ -160,7 +161,7 @@ def against_reference(model, weights: dict[str, torch.Tensor], mla, aux: torch.T
     index = torch.cat([torch.arange(n) for n in lengths])
     seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     last = torch.tensor(lengths).cumsum(0) - 1
-    against = AGAINST[dtype]
+    against = against or AGAINST[dtype]
     # The reference in `against` and, when that is another dtype, in SGLang's own: the error model's rho (how far
     # rounding to `dtype` alone moves each stage), as compare_traces gives it the reference in the dtype.
     refs = {d: ({k: v.to(d) for k, v in weights.items() if v.is_floating_point()}, ([], []))
