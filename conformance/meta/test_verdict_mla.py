@@ -159,3 +159,16 @@ def test_a_trainer_that_cannot_load_an_mla_draft_is_not_checked(preloaded, tmp_p
     unchecked = verdict_json(report)["not_checked"]
     assert any(u["what"].startswith("step0 matches reference [speculators") and "no MLA draft layer" in u["how"]
                for u in unchecked), unchecked
+
+
+def test_q_without_lora_is_refused_by_sglangs_mla_draft(preloaded, tmp_path):
+    """`q_lora_rank: null` (q_proj straight from the input, as training allows): SGLang's MLA layer refuses to build;
+    one problem, in SGLang's words, with its file:line."""
+    cfg = make_mla_config(q_lora_rank=None)
+    draft = write_mla_checkpoint(tmp_path / "draft", cfg, make_mla_weights(cfg, torch.Generator().manual_seed(SEED)))
+    result, _ = check(preloaded, draft)
+    m = headline(result)
+    block = verdict_block(result.stdout)
+    assert result.returncode == EXIT_NOT_SERVED and m[2] == "1", block
+    for named in ("cannot load this draft", "requires q_lora_rank", "kimi_k25_eagle3.py:113-117"):
+        assert named in block, (named, block)
