@@ -156,7 +156,8 @@ def layer_knobs(f: Fields, problems: list, notes: list) -> dict:
         rms_norm_eps=f.number("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=f.int("max_position_embeddings", 2048, maximum=MAX_POSITIONS),
+        max_position_embeddings=f.int("max_position_embeddings", deepseek_default("max_position_embeddings") if mla
+                                      else 2048, maximum=MAX_POSITIONS),
         attention_bias=f.bool("attention_bias"),
         mlp_bias=mlp_bias,
         hidden_act=f.string("hidden_act", "silu"),
@@ -191,3 +192,14 @@ def check_contradictions(knobs: dict, problems: list) -> None:
     if factor > 1 or int(hd * factor) % 2 or int(hd * factor) < 2:
         problems.append(("field partial_rotary_factor", f"{factor} of head_dim {hd} rotates {int(hd * factor)} "
                                                         "channels: expected an even number >= 2, at most head_dim"))
+
+
+def deepseek_default(key: str):
+    """DeepseekV3Config's default for `key`: what an MLA draft's config reads when it leaves `key` out, in training
+    (TorchSpec reads the draft config through it) and in SGLang (model_type kimi_k2 / deepseek_v3,
+    utils/hf_transformers/common.py:229-233)."""
+    from inspect import signature
+
+    from transformers import DeepseekV3Config
+
+    return signature(DeepseekV3Config.__init__).parameters[key].default

@@ -13,40 +13,19 @@ import logging
 import pytest
 import torch
 
-from conformance.adapters.sglang.mla import mla_chain
+from conformance.adapters.sglang.mla import PENDING, against_reference
 from conformance.adapters.sglang.weights import account_mla
-from conformance.core.compare import compare_tensors
 from conformance.core.matching import KnownDivergenceHit, settle_accounting
-from conformance.core.registry import Known
-from conformance.core.tolerances import AGAINST, DTYPES
+from conformance.core.tolerances import DTYPES
 from fixtures.mla import (ABSENT, LAYOUTS, TINY, TINY_ROPE, make_mla_config, make_mla_weights,
                           write_mla_checkpoint)
 from reference import eagle3 as ref
-from reference.rope import rope_cos_sin
 
 pytestmark = pytest.mark.cpu
 SEED = 20260
 SGLANG_MLA_LOGGER = "sglang.srt.models.kimi_k25_eagle3"
 FUSED = "model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight"
 
-# What SGLang's MLA draft does otherwise than training, observed below through SGLang's own code. They join
-# conformance/core/registry.toml once the matrix has MLA cases (draft_arch "mla" and its q_lora_rank knob, being
-# added to reference/eagle3.py and fixtures/cases.py): the registry's self-tests need a case each entry decides.
-PENDING = (
-    Known("load", "sglang-mla-requires-q-lora", "sglang", ">=0.5.23,<=0.5.23",
-          "draft_arch == 'mla' and q_lora_rank == None",
-          "SGLang's MLA draft layer raises unless the config states a q_lora_rank "
-          "(models/kimi_k25_eagle3.py:113-117): it replaces the fused q_a/kv_a down projection only; an MLA draft "
-          "trained with q straight from the input (q_proj: TorchSpec torchspec/models/draft/deepseek_eagle.py:"
-          "128-136, the reference's MLAConfig with q_lora_rank None) cannot be served.",
-          error="ValueError", message="^Eagle3 MLA layer requires q_lora_rank in the draft config$"),
-    Known("accounting", "sglang-mla-input-norm-dropped-at-load", "sglang", ">=0.5.23,<=0.5.23",
-          "draft_arch == 'mla' and norm_before_fc",
-          "Eagle3MLAModel has no input norm over the aux states (models/kimi_k25_eagle3.py:191-255: fc_norm only), "
-          "and load_weights skips a name it cannot place with a logged warning and nothing else "
-          "(kimi_k25_eagle3.py:494-496): a norm_before_fc draft is served without its norm.",
-          problem="dropped silently", tensors=("input_norm\\.weight",)),
-)
 PENDING_BY_ID = {e.id: e for e in PENDING}
 
 
@@ -287,7 +266,6 @@ def test_a_head_kept_without_draft_vocab_size_is_seen(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- step 0: the attention over SGLang's MLA pool
 
-ATTENTION_STAGES = ("layers.0.q_latent", "layers.0.kv_latent", "layers.0.k_rope", "layers.0.attn_out")
 LENGTHS = [5, 3]   # two requests, packed
 F32 = torch.float32
 
@@ -325,24 +303,8 @@ def attention_results(tmp_path, offset: int, dtype: torch.dtype = F32, steps: in
     input_ids = torch.randint(0, cfg["vocab_size"], (T,), generator=g)
     next_ids = torch.randint(0, cfg["vocab_size"], (len(LENGTHS), steps - 1), generator=g)
     index = torch.cat([torch.arange(n) for n in LENGTHS])
-    seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])
-    last = torch.tensor(LENGTHS).cumsum(0) - 1
-    seen = mla_chain(model, aux, input_ids, index + offset, LENGTHS, next_ids if steps > 1 else None)
-
-    mla, against = reference_mla(cfg), AGAINST[dtype]
-    w = {k: v.to(against) for k, v in weights.items() if v.is_floating_point()}
-    cache: tuple[list, list] = ([], [])
-    results = []
-    for k, at in enumerate(seen):
-        x = at["layers.0.attn_in"].to(against)
-        if k:
-            x = torch.zeros(T, x.shape[1], dtype=against).index_copy(0, last, x)
-        cos, sin = rope_cos_sin(mla, index + offset + k, against)
-        _, expected = ref.mla_attention(x, w, "layers.0", mla, cos, sin, cache,
-                                        ref.visibility(seq_ids, index, step=k, window=None))
-        rows = slice(None) if k == 0 else last
-        results += [compare_tensors(k, s, at[s], expected[s][rows], dtype) for s in ATTENTION_STAGES]
-    return results
+    return against_reference(model, weights, reference_mla(cfg), aux, input_ids, index + offset, LENGTHS,
+                             next_ids if steps > 1 else None)[0]
 
 
 def first_failed(results):

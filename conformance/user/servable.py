@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from conformance.checkpoints.formats import sglang_mla
 from conformance.checkpoints.knobs import CONFIG_FILE
 from conformance.checkpoints.weights import read_weights
 from conformance.core.common import first_line
@@ -67,7 +68,8 @@ def directory_problem(path: Path, fmt: str, shown: str, convert_args: str = "") 
         return Problem(what, where, evidence, raise_site(exc), fix, DIRECTORY, key="directory",
                        remedy="" if is_mistral_model(path) else CONVERT)
     archs = list(getattr(config, "architectures", None) or [])
-    if not archs or archs[0] != DRAFT_CLASS:
+    # An MLA draft's own class (sglang-mla format) is SGLang's MLA EAGLE-3 draft (models/kimi_k25_eagle3.py).
+    if not archs or archs[0] not in (DRAFT_CLASS, *((sglang_mla.ARCHITECTURE,) if fmt == sglang_mla.NAME else ())):
         return Problem("SGLang would not build an EAGLE-3 draft from this directory", where,
                        f"architectures {archs}: SGLang builds {archs[0] if archs else 'nothing'}, not {DRAFT_CLASS}",
                        "SGLang builds the class named by architectures[0] (sglang/srt/models/registry.py:93-104, "

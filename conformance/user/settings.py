@@ -45,7 +45,9 @@ from conformance.user.wiring import source_line
 HOOK = "sglang.srt.arg_groups.speculative_hook"
 WORKER = "sglang.srt.speculative.eagle_worker_v2"
 DRAFT = "sglang.srt.models.llama_eagle3"
-EAGLE3_CLASSES = ("LlamaForCausalLMEagle3",)
+# SGLang's EAGLE-3 draft classes: its Llama draft, and its MLA draft (models/kimi_k25_eagle3.py EntryClass), the
+# class of an MLA draft's own format (conformance/checkpoints/formats/sglang_mla.py).
+EAGLE3_CLASSES = ("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM")
 CONTEXT = "context_length"
 # SGLang's own resolution, the default server's `server_settings`. CommandLineError: callers catch it from here.
 SERVER_SETTINGS = ADAPTERS[DEFAULT_SERVER].server_settings

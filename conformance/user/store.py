@@ -33,6 +33,7 @@ from conformance.checkpoints.knobs import CONFIG_FILE
 from conformance.checkpoints.training_data import MAX_TOKENS, Sample, first_samples, make_data_batch, make_samples
 from conformance.checkpoints.weights import WEIGHTS_FILE, read_weights
 from conformance.session.harness import DraftStore
+from conformance.user import mla
 from conformance.user.plan import STEPS, plan_for
 from conformance.user.servable import served_ids, write_served_ids
 from conformance.user.serving import STAND_IN
@@ -43,7 +44,8 @@ from conformance.user.user_draft import (FIXTURE_FORMAT, INPUTS_KEY, SEED, USER_
 from fixtures.cases import DraftCase
 from reference.eagle3 import Eagle3Config
 
-SGLANG_FAMILY = ("sglang", "sglang-legacy", "specforge", "nemo-sglang")   # formats SGLang loads as they are
+# Formats SGLang loads as they are (sglang-mla: its MLA draft's, conformance/user/mla.py)
+SGLANG_FAMILY = ("sglang", "sglang-legacy", "specforge", "nemo-sglang", "sglang-mla")
 # A format another trainer's own loader also reads as written: NeMo's directory renamed for SGLang by NeMo's
 # serve_sglang is still NeMo's checkpoint (its loader ignores architectures, checkpoints/formats/nemo_sglang.py).
 ALSO_READ_AS = {"nemo-sglang": "nemo"}
@@ -218,8 +220,11 @@ class UserDraftStore(DraftStore):
                     continue
                 if impl in other_trainers(self.inputs.trainer) or adapter.checkpoint_format not in dirs:
                     continue   # another trainer's implementation, or one that cannot express the draft
-                self._accounts[impl] = account(impl, self.directory(impl, self.case), self.plan.accounting,
-                                               self.inputs.target)
+                if impl == mla.IMPL and mla.is_mla(self.inputs):   # its MLA class, not the Llama draft's
+                    self._accounts[impl] = mla.account(self)
+                else:
+                    self._accounts[impl] = account(impl, self.directory(impl, self.case), self.plan.accounting,
+                                                   self.inputs.target)
                 gc.collect()   # the model it loaded, before the next one loads
         return self._accounts
 

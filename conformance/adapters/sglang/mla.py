@@ -16,6 +16,29 @@ from types import SimpleNamespace
 import torch
 
 from conformance.adapters.sglang.runtime import ATTENTION_BACKEND, ensure_runtime, forward_pass
+from conformance.core.registry import Known
+
+# What SGLang's MLA draft does otherwise than training, observed through SGLang's own code
+# (conformance/draft/test_mla_sglang.py) and applied to a user's MLA draft (conformance/user/mla.py). They join
+# conformance/core/registry.toml once the matrix has MLA cases for SGLang: the registry's self-tests need a case
+# each entry decides.
+PENDING = (
+    Known("load", "sglang-mla-requires-q-lora", "sglang", ">=0.5.23,<=0.5.23",
+          "draft_arch == 'mla' and q_lora_rank == None",
+          "SGLang's MLA draft layer raises unless the config states a q_lora_rank "
+          "(models/kimi_k25_eagle3.py:113-117): it replaces the fused q_a/kv_a down projection only; an MLA draft "
+          "trained with q straight from the input (q_proj: TorchSpec torchspec/models/draft/deepseek_eagle.py:"
+          "128-136, the reference's MLAConfig with q_lora_rank None) cannot be served.",
+          error="ValueError", message="^Eagle3 MLA layer requires q_lora_rank in the draft config$"),
+    Known("accounting", "sglang-mla-input-norm-dropped-at-load", "sglang", ">=0.5.23,<=0.5.23",
+          "draft_arch == 'mla' and norm_before_fc",
+          "Eagle3MLAModel has no input norm over the aux states (models/kimi_k25_eagle3.py:191-255: fc_norm only), "
+          "and load_weights skips a name it cannot place with a logged warning and nothing else "
+          "(kimi_k25_eagle3.py:494-496): a norm_before_fc draft is served without its norm.",
+          problem="dropped silently", tensors=("input_norm\\.weight",)),
+)
+# The attention stages the chain records, in the order the attention computes them.
+ATTENTION_STAGES = ("layers.0.q_latent", "layers.0.kv_latent", "layers.0.k_rope", "layers.0.attn_out")
 
 
 def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int],
@@ -115,3 +138,46 @@ def _cached(kv, attn, slots: torch.Tensor) -> dict[str, torch.Tensor]:
     """What SGLang's MLA pool holds in `slots`: [kv_latent | k_rope] per token."""
     kv_latent, k_rope = kv.get_key_buffer(0)[slots, 0].split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
     return {"layers.0.kv_latent": kv_latent, "layers.0.k_rope": k_rope}
+
+
+def against_reference(model, weights: dict[str, torch.Tensor], mla, aux: torch.Tensor, input_ids: torch.Tensor,
+                      positions: torch.Tensor, lengths: list[int], next_ids: torch.Tensor | None = None,
+                      against: torch.dtype | None = None) -> tuple[list, list[torch.Tensor]]:
+    """SGLang's chain (`mla_chain`) and, per step, each attention stage compared with the reference's
+    `mla_attention` (`mla`: its MLAConfig; `weights`: the checkpoint's, canonical names) fed SGLang's own attention
+    input, in the dtype the suite holds the model's dtype against (`against`, default tolerances.AGAINST: fp32 itself,
+    bf16 the fp64 reference; a large user draft's plan gives fp32, conformance/user/plan.py). At step k >= 1 SGLang
+    runs each request's last row only; the reference runs every row (its other rows' inputs zero: a row's step-k key
+    is visible to that row alone) and its last rows are compared. Returns the StageResults, step by step in
+    ATTENTION_STAGES order, and SGLang's logits per step (each request's last row)."""
+    from conformance.core.compare import compare_tensors
+    from conformance.core.tolerances import AGAINST
+    from reference import eagle3 as ref
+    from reference.rope import rope_cos_sin
+
+    dtype = model.model.midlayer.self_attn.kv_b_proj.weight.dtype
+    seen = mla_chain(model, aux, input_ids, positions, lengths, next_ids)
+    T = sum(lengths)
+    index = torch.cat([torch.arange(n) for n in lengths])
+    seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    last = torch.tensor(lengths).cumsum(0) - 1
+    against = against or AGAINST[dtype]
+    # The reference in `against` and, when that is another dtype, in SGLang's own: the error model's rho (how far
+    # rounding to `dtype` alone moves each stage), as compare_traces gives it the reference in the dtype.
+    refs = {d: ({k: v.to(d) for k, v in weights.items() if v.is_floating_point()}, ([], []))
+            for d in dict.fromkeys((against, dtype))}
+    results = []
+    for k, at in enumerate(seen):
+        expected = {}
+        for d, (w, cache) in refs.items():
+            x = at["layers.0.attn_in"].to(d)
+            if k:
+                x = torch.zeros(T, x.shape[1], dtype=d).index_copy(0, last, x)
+            cos, sin = rope_cos_sin(mla, positions + k, d)
+            expected[d] = ref.mla_attention(x, w, "layers.0", mla, cos, sin, cache,
+                                            ref.visibility(seq_ids, index, step=k, window=None))[1]
+        rows = slice(None) if k == 0 else last
+        results += [compare_tensors(k, s, at[s], expected[against][s][rows], dtype,
+                                    same=expected[dtype][s][rows] if dtype != against else None)
+                    for s in ATTENTION_STAGES]
+    return results, [at["logits"] for at in seen]

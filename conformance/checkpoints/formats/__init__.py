@@ -15,18 +15,21 @@ keeps every tensor bit-exact and every knob.
 | nemo          | the target's LlamaConfig, architectures LlamaEagle3DraftModel | model.*, one shard + index |
 |               | (MLA drafts: the target's DeepseekV3Config, same architectures) |                           |
 | nemo-sglang   | nemo's, architectures renamed by NeMo's serve_sglang (read only) | model.*, fewer layers than stated |
+| sglang-mla    | flat MLA draft, architectures Eagle3DeepseekV2ForCausalLM (read only) | layers.0.* or midlayer.* |
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from conformance.checkpoints.errors import CheckpointError, ConversionError
-from conformance.checkpoints.formats import eagle, nemo, nemo_sglang, sglang, sglang_legacy, specforge, speculators
+from conformance.checkpoints.formats import (eagle, nemo, nemo_sglang, sglang, sglang_legacy, sglang_mla, specforge,
+                                             speculators)
 from conformance.checkpoints.knobs import ParsedConfig
 from conformance.checkpoints.schema import LEGACY_FC_NORM
 from reference.eagle3 import Eagle3Config
 
-MODULES = {m.NAME: m for m in (speculators, sglang, sglang_legacy, specforge, eagle, nemo, nemo_sglang)}
+MODULES = {m.NAME: m for m in (speculators, sglang, sglang_legacy, specforge, eagle, nemo, nemo_sglang,
+                                     sglang_mla)}
 FORMATS = tuple(MODULES)
 WRITABLE = tuple(name for name, m in MODULES.items() if hasattr(m, "config_json"))
 EAGLE3_ARCH = sglang.ARCHITECTURE
@@ -52,6 +55,8 @@ def config_format(raw: dict, file: Path, tensor_names: list[str] | None = None) 
         return sglang_legacy.NAME if legacy else specforge.NAME
     if arch[0] == nemo.ARCHITECTURE:
         return nemo.NAME
+    if arch[0] == sglang_mla.ARCHITECTURE:
+        return sglang_mla.NAME
     if arch[0] == "LlamaForCausalLM":
         if "draft_vocab_size" in raw or "target_vocab_size" in raw:
             return eagle.NAME
@@ -59,6 +64,7 @@ def config_format(raw: dict, file: Path, tensor_names: list[str] | None = None) 
                                                            "model config, not an EAGLE-3 draft")
     raise CheckpointError(file, "field architectures",
                           f"{arch[0]} is not an EAGLE-3 draft (expected {EAGLE3_ARCH}, {nemo.ARCHITECTURE}, "
+                          f"{sglang_mla.ARCHITECTURE}, "
                           "LlamaForCausalLM with draft_vocab_size, or speculators_model_type eagle3)")
 
 

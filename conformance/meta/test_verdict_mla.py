@@ -1,0 +1,174 @@
+"""The verdict on a user's MLA draft (DeepSeek's latent attention: SGLang's `Eagle3DeepseekV2ForCausalLM`, the drafts
+Kimi-K2.5/K2.6 are served with), as a user gets it from `eagle3-conformance check` (the entry point, run from the
+preloaded process as conformance/meta/test_verdict.py runs it).
+
+The draft is fixtures/mla.py's: the published TorchSpec config (`lightseekorg/kimi-k2.5-eagle3-mla`) made tiny, in
+either of TorchSpec's tensor layouts. On the real Kimi-K2.5 target config:
+  - with a chain and the draft's own context length, every check that exists for it passes: exit 0, served as
+    trained (the trainer is not stated, so it is judged against the reference; speculators cannot load an MLA draft
+    and vLLM's is not built, and neither is asked: the verdict says whom it judged);
+  - with the chain alone, SGLang refuses to start: Kimi-K2.5's context (262144) is longer than the draft's positions
+    (DeepseekV3Config's default, the published config states none): exit 1, that one problem;
+  - with norm_before_fc (an `input_norm.weight`), SGLang's MLA draft drops the norm at load: exit 1, one problem
+    naming its file:line and the fix, and the forward's departure at the logits;
+  - a malformed MLA config is bad input: exit 4, one line naming the file and the field.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance.checkpoints import open_checkpoint
+from conformance.checkpoints.errors import CheckpointError
+from conformance.meta.preloaded import Preloaded
+from conformance.meta.test_verdict import HEADLINE, KIMI, NO_XDIST, NOT_CHECKED, verdict_block
+from conformance.user.verdict import EXIT_BAD_INPUT, EXIT_NOT_SERVED, EXIT_SERVED, NOT_SERVED, SERVED
+from fixtures.mla import ABSENT, LAYOUTS, make_mla_config, make_mla_weights, write_mla_checkpoint
+
+pytestmark = [pytest.mark.cpu, pytest.mark.meta]
+SEED = 20261
+CHAIN = "--speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4"
+
+
+def mla_draft(root: Path, layout: str = "layers.0", extra: dict | None = None, **changes) -> Path:
+    cfg = make_mla_config(**changes)
+    weights = make_mla_weights(make_mla_config(), torch.Generator().manual_seed(SEED), layout)
+    weights.update(extra(cfg) if extra else {})
+    return write_mla_checkpoint(root / "draft", cfg, weights)
+
+
+def with_input_norm(cfg: dict) -> dict:
+    return {"input_norm.weight": torch.linspace(0.5, 1.5, 3 * cfg["hidden_size"])}
+
+
+@pytest.fixture(scope="module")
+def preloaded(tmp_path_factory):
+    process = Preloaded(tmp_path_factory.mktemp("preloaded"))
+    yield process
+    process.close()
+
+
+def check(preloaded: Preloaded, draft: Path, *args: str):
+    """`eagle3-conformance check DRAFT ARGS` from an empty directory outside the draft's; (result, report dir)."""
+    report, cwd = draft.parent / "report", draft.parent / "cwd"
+    cwd.mkdir()
+    result = preloaded.run([sys.executable, "-m", "conformance.cli", "check", str(draft), *args, "--report",
+                            str(report), "--", *NO_XDIST], cwd=cwd)
+    return result, report
+
+
+def headline(result) -> re.Match:
+    m = HEADLINE.search(result.stdout)
+    assert m, f"exit {result.returncode}, no verdict line:\n{result.stdout[-4000:]}\n{result.stderr[-3000:]}"
+    return m
+
+
+def verdict_json(report: Path) -> dict:
+    return json.loads((report / "report.json").read_text())["verdict"]
+
+
+# ---------------------------------------------------------------- the format: read, not refused
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_mla_draft_is_read_as_one(layout, tmp_path):
+    ckpt = open_checkpoint(mla_draft(tmp_path, layout))
+    cfg = ckpt.config
+    assert (ckpt.format, cfg.draft_arch) == ("sglang-mla", "mla")
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank) == (make_mla_config()["q_lora_rank"], make_mla_config()["kv_lora_rank"])
+    assert {n for n in ckpt.tensors if n.startswith("layers.0.self_attn.")} >= \
+        {"layers.0.self_attn.q_a_proj.weight", "layers.0.self_attn.kv_a_proj_with_mqa.weight"}
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(kv_lora_rank=ABSENT), "field kv_lora_rank"),
+    (dict(kv_lora_rank="16"), "field kv_lora_rank"),
+    (dict(model_type="llama"), "field kv_lora_rank"),
+    (dict(qk_rope_head_dim=-8), "field qk_rope_head_dim"),
+], ids=["no_kv_lora_rank", "kv_lora_rank_a_string", "not_a_deepseek_model_type", "negative_rope_dim"])
+def test_a_malformed_mla_config_names_its_field(changes, field, tmp_path):
+    with pytest.raises(CheckpointError) as info:
+        _ = open_checkpoint(mla_draft(tmp_path, **changes)).config
+    assert f"config.json: {field}:" in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+# ---------------------------------------------------------------- the verdict, as the user runs it
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_published_shape_is_served_as_trained_on_kimi(layout, preloaded, tmp_path):
+    """Every check that exists for an MLA draft ran and passed: SGLang's load, bit for bit; its chain's attention
+    stages and logits at step 0 and over 3 teacher-forced steps, fp32 and bf16; the target wiring on Kimi-K2.5's
+    class; the server flags of a chain within the draft's positions."""
+    draft = mla_draft(tmp_path, layout)
+    positions = open_checkpoint(draft).config.max_position_embeddings
+    result, report = check(preloaded, draft, f"--target-config={KIMI}", f"--sglang-args={CHAIN} --context-length "
+                                                                         f"{positions}")
+    assert result.returncode == EXIT_SERVED and headline(result)[1] == SERVED, verdict_block(result.stdout)
+    verdict = verdict_json(report)
+    assert not verdict["not_checked"] and verdict["checks"]["failed"] == 0, verdict
+    ran = {c["nodeid"].rsplit("::", 1)[-1] for c in json.loads((report / "report.json").read_text())["comparisons"]
+           if c["impl"] == "sglang" and c["outcome"] == "pass"}
+    assert any(n.startswith("test_user_draft_step0") for n in ran) and \
+        any(n.startswith("test_user_draft_multistep") for n in ran), ran
+    assert "sglang-mla format" in verdict["draft"] and "judged against training semantics" in verdict["trainer"]
+    wiring = json.loads((report / "report.json").read_text())["sections"]["wiring"]
+    assert [row["outcome"] for row in wiring if row["Case"] == "user wiring"] == ["pass"], wiring
+
+
+def test_a_server_context_past_the_drafts_positions_is_the_one_problem(preloaded, tmp_path):
+    """The chain alone on Kimi-K2.5: the target's context is longer than the positions the draft states (none: its
+    DeepseekV3Config default), which SGLang refuses to start with."""
+    result, report = check(preloaded, mla_draft(tmp_path), f"--target-config={KIMI}", f"--sglang-args={CHAIN}")
+    m = headline(result)
+    assert result.returncode == EXIT_NOT_SERVED and m[2] == "1", verdict_block(result.stdout)
+    problem, = verdict_json(report)["problems"]
+    assert problem["where"] == "server flag: context_length", problem
+
+
+def test_norm_before_fc_is_dropped_by_sglangs_mla_draft(preloaded, tmp_path):
+    draft = mla_draft(tmp_path, norm_before_fc=True, extra=with_input_norm)
+    positions = open_checkpoint(draft).config.max_position_embeddings
+    result, report = check(preloaded, draft, f"--target-config={KIMI}",
+                           f"--sglang-args={CHAIN} --context-length {positions}")
+    m = headline(result)
+    block = verdict_block(result.stdout)
+    assert result.returncode == EXIT_NOT_SERVED and m[0].startswith(f"VERDICT: {NOT_SERVED}") and m[2] == "1", block
+    for named in ("dropped silently: input_norm.weight", "kimi_k25_eagle3.py:494-496",
+                  "retrain without it: norm_before_fc false", "stage `logits`"):
+        assert named in block, (named, block)
+
+
+@pytest.mark.parametrize("changes", [dict(kv_lora_rank=ABSENT), dict(kv_lora_rank="16")],
+                         ids=["no_kv_lora_rank", "kv_lora_rank_a_string"])
+def test_a_malformed_mla_draft_is_bad_input(changes, preloaded, tmp_path):
+    result, _ = check(preloaded, mla_draft(tmp_path, **changes))
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == EXIT_BAD_INPUT, f"exit {result.returncode}:\n{result.stdout[-3000:]}"
+    assert len(lines) == 1 and "config.json: field kv_lora_rank:" in lines[0], lines
+
+
+def test_a_trainer_that_cannot_load_an_mla_draft_is_not_checked(preloaded, tmp_path):
+    """speculators has no MLA draft layer: its checks did not run, and the verdict says so and why, never passed."""
+    result, report = check(preloaded, mla_draft(tmp_path), "--trainer=speculators")
+    m = headline(result)
+    assert result.returncode == NOT_CHECKED and m[3], verdict_block(result.stdout)
+    unchecked = verdict_json(report)["not_checked"]
+    assert any(u["what"].startswith("step0 matches reference [speculators") and "no MLA draft layer" in u["how"]
+               for u in unchecked), unchecked
+
+
+def test_q_without_lora_is_refused_by_sglangs_mla_draft(preloaded, tmp_path):
+    """`q_lora_rank: null` (q_proj straight from the input, as training allows): SGLang's MLA layer refuses to build;
+    one problem, in SGLang's words, with its file:line."""
+    cfg = make_mla_config(q_lora_rank=None)
+    draft = write_mla_checkpoint(tmp_path / "draft", cfg, make_mla_weights(cfg, torch.Generator().manual_seed(SEED)))
+    result, _ = check(preloaded, draft)
+    m = headline(result)
+    block = verdict_block(result.stdout)
+    assert result.returncode == EXIT_NOT_SERVED and m[2] == "1", block
+    for named in ("cannot load this draft", "requires q_lora_rank", "kimi_k25_eagle3.py:113-117"):
+        assert named in block, (named, block)

@@ -1,0 +1,106 @@
+"""A user's MLA draft (draft_arch "mla": DeepSeek's latent attention, SGLang's `Eagle3DeepseekV2ForCausalLM`,
+models/kimi_k25_eagle3.py) in the verdict: what of SGLang's MLA draft the user checks run, through the same machinery
+as conformance/draft/test_mla_sglang.py (conformance/adapters/sglang/mla.py, weights.account_mla).
+
+SGLang loads the user's directory as written (a copy: config.json copied, weights linked). Its load is accounted
+for tensor by tensor (account_mla), judged with SGLang's MLA entries (mla.PENDING, not yet in the registry: the
+matrix has no SGLang MLA case for the registry's self-tests). Its chain (step 0, then teacher-forced DECODE steps
+over its own MLA KV pool, mla_chain) is compared with the reference on the user's samples and aux states: each
+attention stage against the reference's `mla_attention` fed SGLang's own attention input, then each step's logits
+(each request's last row, the rows SGLang computes them for) against the reference draft's whole pass, so a
+divergence outside the attention (fc, its norms, the MLP, the head) is named at `logits`.
+"""
+from __future__ import annotations
+
+import torch
+
+from conformance.adapters.sglang.mla import PENDING, against_reference
+from conformance.core import registry
+from conformance.core.compare import Comparison, compare_tensors
+from conformance.core.stages import stage_kind
+from conformance.core.tolerances import DTYPES
+from reference.eagle3 import Eagle3Reference
+
+IMPL = "sglang"
+MIN_TOKENS = 2   # mla_chain: a DECODE of each request's first token, an EXTEND of the rest
+
+
+class LoadRefused(Exception):
+    """SGLang did not build or load the MLA draft (its message: the loader's own words)."""
+
+
+def is_mla(inputs) -> bool:
+    return inputs is not None and inputs.config.draft_arch == "mla"
+
+
+def known(case, areas=("accounting", "load")) -> tuple:
+    """SGLang's MLA entries that apply to the user's draft. The registry's SGLang entries describe its Llama draft
+    (llama_eagle3.py, llama.py), which an MLA draft never runs."""
+    return registry.applicable(areas, IMPL, registry.case_names(case), PENDING)
+
+
+def account(store):
+    """SGLang's MLA draft loaded from the user's directory as written (the store's copy), accounted for."""
+    from conformance.adapters.sglang.weights import account_mla
+
+    return account_mla(store.directory(IMPL, store.case), store.plan.accounting)[0]
+
+
+def forward_comparison(store, dtype_name: str, steps: int) -> Comparison:
+    """SGLang's MLA chain over `steps` steps in `dtype_name` against the reference, on the store's samples and aux
+    states (the requests of MIN_TOKENS tokens or more), teacher-forced with the ids training's shift gives each
+    request's last row (training_data.teacher_forced_ids), fed to both. LoadRefused: SGLang did not build or load it."""
+    from conformance.adapters.sglang.draft_model import load_model
+    from conformance.checkpoints.training_data import make_data_batch
+    from conformance.user.store import _weights
+
+    cfg, dtype = store.inputs.config, DTYPES[dtype_name]
+    used = [(s, a) for s, a in zip(store.samples, store.aux()) if len(s.input_ids) - 1 >= MIN_TOKENS]
+    if not used:
+        raise ValueError(f"no sample of {MIN_TOKENS + 1} tokens or more: SGLang's MLA chain needs {MIN_TOKENS} per "
+                         "request (a DECODE of the first, an EXTEND of the rest)")
+    samples, aux = zip(*used)
+    batch = make_data_batch(cfg, list(samples), list(aux), steps)
+    lengths = [len(s.input_ids) - 1 for s in samples]
+    last = torch.tensor(lengths).cumsum(0) - 1
+    # SGLang's step k >= 1 runs each request's last row, fed the id that follows it; the reference runs every row
+    # with the same id on the last rows (its other rows' step-k keys are visible to those rows alone).
+    next_ids = batch.next_ids[last] if steps > 1 else None
+    weights = _weights(store.inputs.checkpoint.path, cfg)
+    against = dtype if dtype == torch.float32 else store.precise   # AGAINST, or fp32 for a large draft (the plan)
+    try:
+        model = load_model(store.directory(IMPL, store.case), dtype)
+    except Exception as exc:   # SGLang's own refusal, in its words
+        raise LoadRefused(f"{type(exc).__name__}: {exc}") from exc
+    try:
+        results, sglang_logits = against_reference(model, weights, cfg.mla, batch.aux.to(dtype), batch.input_ids,
+                                                   batch.positions, lengths, next_ids, against)
+    finally:
+        del model
+    reference = Eagle3Reference(cfg, weights, against).run(batch, steps)
+    # the reference in SGLang's dtype too, and the logits' depth in the pass: the error model's inputs, as
+    # compare_traces gives them
+    same = Eagle3Reference(cfg, weights, dtype).run(batch, steps) if against != dtype else None
+    per_step = len(results) // steps
+    ordered = []
+    for k in range(steps):   # per step: the attention's stages, then the step's logits
+        ordered += results[k * per_step:(k + 1) * per_step]
+        depth = list(n for n in reference[k] if stage_kind(n) != "ids").index("logits") + 1
+        ordered.append(compare_tensors(k, "logits", sglang_logits[k], reference[k]["logits"][last], dtype,
+                                       same=same[k]["logits"][last] if same else None, depth=depth))
+    case_id = store.case.id if steps == 1 else f"{store.case.id}_{steps}_steps"
+    return Comparison(IMPL, "reference", case_id, dtype, ordered,
+                      notes=["SGLang's MLA draft (Eagle3DeepseekV2ForCausalLM) over its MLA KV pool: attention "
+                             "stages and logits (each request's last row)"])
+
+
+def unobserved_readings(store, accounts: dict) -> list[str]:
+    """The config keys a registered SGLang reading applies to on this draft that SGLang's MLA draft's accounting
+    cannot show (its layer has no stage recorder: norm_before_residual, the window): not checked, never passed."""
+    from conformance.user.readings import NOT_OBSERVED, names, observe
+
+    acct = accounts.get(IMPL)
+    if acct is None:
+        return []
+    entries = registry.applicable("reading", IMPL, names(store.inputs.checkpoint))
+    return sorted({e.key for e in entries if observe(acct, e.key).startswith(NOT_OBSERVED)})
