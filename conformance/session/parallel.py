@@ -19,7 +19,8 @@ SHARED = {"conformance/engine/": "engine lane"}   # path prefix -> the one scope
 COST = {
     "conformance/meta/test_verdict.py": 370, "engine lane": 366, "conformance/meta/test_readme_commands.py": 121,
     "conformance/acceptance/test_acceptance.py": 90, "conformance/meta/test_report_determinism.py": 82,
-    "conformance/meta/test_preloaded.py": 62, "conformance/meta/test_fuzz_inputs.py": 33,
+    "conformance/meta/test_preloaded.py": 62, "conformance/meta/test_verdict_mla.py": 68,
+    "conformance/meta/test_fuzz_inputs.py": 33,
     "conformance/meta/test_user_draft_cli.py": 33, "conformance/draft/test_step0.py": 31,
     "conformance/draft/test_multistep.py": 29, "conformance/wiring/test_wiring.py": 28,
     "conformance/settings/test_sglang_settings.py": 25, "conformance/meta/test_lanes.py": 22,
