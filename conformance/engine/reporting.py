@@ -157,11 +157,12 @@ def record_served_request(report: Recorder, lane, scenario_id: str, f) -> None:
         f"round {f.conforming_rounds}, step {first.step} `{first.stage}`"}))
 
 
-def served_scenario(lane, group, scenario, report):
-    """(group run, scenario run, findings) with the group's report rows; the engine's error fails the test."""
+def served_scenario(lane, group, scenario, report, findings=None):
+    """(group run, scenario run, findings) with the group's report rows; the engine's error fails the test.
+    `findings(lane, run, scenario_run)`: the scenario's checks (default scenario_findings, the fp32 oracle)."""
     run = lane.run(group)
     record_group(report, run, lane.recorded)
     if run.error:
         pytest.fail(run.error, pytrace=False)
     scenario_run = run.scenarios[scenario.id]
-    return run, scenario_run, scenario_findings(lane, run, scenario_run)
+    return run, scenario_run, (findings or scenario_findings)(lane, run, scenario_run)

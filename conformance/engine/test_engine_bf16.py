@@ -16,7 +16,7 @@ from conformance.core.sections import Section
 from conformance.engine.bf16 import BF16, IMPL, bf16_findings, round_comparisons, side
 from conformance.engine.faults import FAULT_PROMPT, HIDDEN_FROM_WRONG_ROW
 from conformance.engine.lane import ENGINE
-from conformance.engine.reporting import fault_row, record_group
+from conformance.engine.reporting import fault_row, served_scenario
 from conformance.engine.scenarios import BF16_GROUPS, EngineGroup, Scenario
 
 pytestmark = pytest.mark.engine_full
@@ -33,12 +33,7 @@ BF16_FAULT_AT = (1, 1, "hidden_in")
 
 
 def served(lane, group, scenario, report):
-    run = lane.run(group)
-    record_group(report, run, lane.recorded)
-    if run.error:
-        pytest.fail(run.error, pytrace=False)
-    scenario_run = run.scenarios[scenario.id]
-    return run, scenario_run, bf16_findings(lane, run, scenario_run)
+    return served_scenario(lane, group, scenario, report, findings=bf16_findings)
 
 
 @pytest.mark.parametrize("group,scenario", BF16_PARAMS)
