@@ -188,6 +188,8 @@ class DraftAdapter(Protocol):
     prepare_for_server: ClassVar[Mapping[str, Callable[[Path], Path]]]
     tensor_parallel: ClassVar[ModuleType | None]   # its target and draft sharded over ranks, a process each: the
                                                    # draft area's TP check (adapters/sglang/tensor_parallel.py)
+    mla: ClassVar[ModuleType | None]               # its MLA draft class (DeepSeek latent attention): loaded, accounted
+                                                   # and run for a user's MLA draft (adapters/sglang/mla.py)
     # default empty: (batch, context) shapes of the benchmark whose timed pass does not compile on a CPU host,
     # each with why (left out of the CPU sweep; not the implementation's maths)
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]]
@@ -249,6 +251,7 @@ class AdapterBase:
     save_checkpoint: ClassVar[Callable[..., Path] | None] = None
     prepare_for_server: ClassVar[Mapping[str, Callable[[Path], Path]]] = MappingProxyType({})
     tensor_parallel: ClassVar[ModuleType | None] = None
+    mla: ClassVar[ModuleType | None] = None
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]] = MappingProxyType({})
 
     @classmethod

@@ -49,10 +49,10 @@ def test_the_engine_lane_is_one_scope_and_other_files_their_own():
     assert scope("conformance/draft/test_step0.py::t") != scope("conformance/engine/test_engine.py::t")
 
 
-def test_the_longest_files_are_handed_out_first():
+def test_the_acceptance_lane_is_handed_out_first():
     """xdist orders files by their number of tests, which ran the acceptance lane (few tests, the longest file of
-    `make conformance`) last and alone. The scheduler hands out by cost: planted in xdist's order, the first
-    unit sent to a worker is the acceptance lane, then the step-0 file, then a small file."""
+    `make conformance`) last and alone. Planted in xdist's order, the first unit sent to a worker is the acceptance
+    lane, then the others in xdist's order."""
     from collections import OrderedDict
 
     from conformance.session.parallel import FileGroupScheduling

@@ -4,9 +4,11 @@ files of one group (SHARED) go to one worker together: the engine lane's files s
 which are costly to start and must not run twice at once. Each worker's report findings go to the
 controller, which writes the one report (conformance/plugin.py, Report.absorb).
 
-The order files are handed out in is the longest first (COST): xdist's own order is by number of tests, which
-sent the acceptance lane (9 tests, a minute of training-data drafting) last, to run alone at the end while the
-other worker idled. The order changes the time only: the report is the same whatever ran where
+The acceptance lane is handed out first (FIRST), then xdist's own order (by number of tests, most first): by that
+order alone the acceptance lane (9 tests, about a minute of drafting) came last in `make conformance` and ran alone
+while the other worker idled. A longest-first order of every file was tried and cost more: it started the engine lane
+and the verdict's user runs (each spawning processes of its own) together, and `make test` took 1,390 CPU-s where
+it takes about 900. The order changes the time only: the report is the same whatever ran where
 (meta/test_report_determinism.py)."""
 from __future__ import annotations
 
@@ -14,21 +16,7 @@ from xdist.scheduler import LoadFileScheduling
 
 SHARED = {"conformance/engine/": "engine lane"}   # path prefix -> the one scope of its files
 
-# Seconds a scope takes on the 2-core host (measured in one process, the host shared: relative figures), for the
-# scopes of 15 s or more; any other file counts PER_TEST a test. Only the order matters: a stale figure costs time.
-COST = {
-    "conformance/meta/test_verdict.py": 370, "engine lane": 366, "conformance/meta/test_readme_commands.py": 121,
-    "conformance/acceptance/test_acceptance.py": 90, "conformance/meta/test_report_determinism.py": 82,
-    "conformance/meta/test_preloaded.py": 62, "conformance/meta/test_verdict_mla.py": 68,
-    "conformance/meta/test_fuzz_inputs.py": 33,
-    "conformance/meta/test_user_draft_cli.py": 33, "conformance/draft/test_step0.py": 31,
-    "conformance/draft/test_multistep.py": 29, "conformance/wiring/test_wiring.py": 28,
-    "conformance/settings/test_sglang_settings.py": 25, "conformance/meta/test_lanes.py": 22,
-    "conformance/meta/test_registry.py": 21, "conformance/wiring/test_user_wiring.py": 21,
-    "conformance/meta/test_vllm_worker.py": 19, "conformance/draft/test_real_configs.py": 19,
-    "conformance/meta/test_printed_commands.py": 18, "conformance/loading/test_accounting.py": 16,
-}
-PER_TEST = 0.15
+FIRST = ("conformance/acceptance/test_acceptance.py",)
 
 
 def scope(nodeid: str) -> str:
@@ -36,10 +24,9 @@ def scope(nodeid: str) -> str:
     return next((group for prefix, group in SHARED.items() if path.startswith(prefix)), path)
 
 
-def longest_first(workqueue: dict[str, dict]) -> list[str]:
-    """The scopes in the order they are handed out: by COST, else by their number of tests, longest first; ties
-    in the collection's order."""
-    return sorted(workqueue, key=lambda s: -COST.get(s, PER_TEST * len(workqueue[s])))
+def handed_out(workqueue: dict[str, dict]) -> list[str]:
+    """The scopes in the order they are handed out: FIRST, then the rest in `workqueue`'s (xdist's) order."""
+    return [s for s in FIRST if s in workqueue] + [s for s in workqueue if s not in FIRST]
 
 
 class FileGroupScheduling(LoadFileScheduling):
@@ -48,10 +35,9 @@ class FileGroupScheduling(LoadFileScheduling):
 
     def _assign_work_unit(self, node) -> None:
         # xdist fills self.workqueue (ordered by number of tests) in schedule(), then hands out its head here.
-        if not getattr(self, "_longest_first", False):
-            order = longest_first(self.workqueue)
-            units = {s: self.workqueue[s] for s in order}
+        if not getattr(self, "_reordered", False):
+            units = {s: self.workqueue[s] for s in handed_out(self.workqueue)}
             self.workqueue.clear()
             self.workqueue.update(units)
-            self._longest_first = True
+            self._reordered = True
         super()._assign_work_unit(node)

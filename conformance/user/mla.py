@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from conformance.adapters.sglang.mla import PENDING, against_reference
+from conformance.adapters import ADAPTERS, DEFAULT_SERVER, REFERENCE
 from conformance.core import registry
 from conformance.core.compare import Comparison, compare_tensors
 from conformance.core.stages import stage_kind
 from conformance.core.tolerances import DTYPES
 from reference.eagle3 import Eagle3Reference
 
-IMPL = "sglang"
+IMPL = DEFAULT_SERVER   # SGLang: the server whose MLA draft class the user checks run
+SERVER_MLA = ADAPTERS[IMPL].mla
 MIN_TOKENS = 2   # mla_chain: a DECODE of each request's first token, an EXTEND of the rest
 
 
@@ -36,23 +37,19 @@ def is_mla(inputs) -> bool:
 def known(case, areas=("accounting", "load")) -> tuple:
     """SGLang's MLA entries that apply to the user's draft. The registry's SGLang entries describe its Llama draft
     (llama_eagle3.py, llama.py), which an MLA draft never runs."""
-    return registry.applicable(areas, IMPL, registry.case_names(case), PENDING)
+    return registry.applicable(areas, IMPL, registry.case_names(case), SERVER_MLA.PENDING)
 
 
 def account(store):
     """SGLang's MLA draft loaded from the user's directory as written (the store's copy), accounted for."""
-    from conformance.adapters.sglang.weights import account_mla
-
-    return account_mla(store.directory(IMPL, store.case), store.plan.accounting)[0]
+    return SERVER_MLA.account(store.directory(IMPL, store.case), store.plan.accounting)
 
 
 def forward_comparison(store, dtype_name: str, steps: int) -> Comparison:
     """SGLang's MLA chain over `steps` steps in `dtype_name` against the reference, on the store's samples and aux
     states (the requests of MIN_TOKENS tokens or more), teacher-forced with the ids training's shift gives each
     request's last row (training_data.teacher_forced_ids), fed to both. LoadRefused: SGLang did not build or load it."""
-    from conformance.adapters.sglang.draft_model import load_model
     from conformance.checkpoints.training_data import make_data_batch
-    from conformance.user.store import _weights
 
     cfg, dtype = store.inputs.config, DTYPES[dtype_name]
     used = [(s, a) for s, a in zip(store.samples, store.aux()) if len(s.input_ids) - 1 >= MIN_TOKENS]
@@ -66,15 +63,16 @@ def forward_comparison(store, dtype_name: str, steps: int) -> Comparison:
     # SGLang's step k >= 1 runs each request's last row, fed the id that follows it; the reference runs every row
     # with the same id on the last rows (its other rows' step-k keys are visible to those rows alone).
     next_ids = batch.next_ids[last] if steps > 1 else None
-    weights = _weights(store.inputs.checkpoint.path, cfg)
+    weights = store.weights()
     against = dtype if dtype == torch.float32 else store.precise   # AGAINST, or fp32 for a large draft (the plan)
     try:
-        model = load_model(store.directory(IMPL, store.case), dtype)
+        model = SERVER_MLA.load(store.directory(IMPL, store.case), dtype)
     except Exception as exc:   # SGLang's own refusal, in its words
         raise LoadRefused(f"{type(exc).__name__}: {exc}") from exc
     try:
-        results, sglang_logits = against_reference(model, weights, cfg.mla, batch.aux.to(dtype), batch.input_ids,
-                                                   batch.positions, lengths, next_ids, against)
+        results, sglang_logits = SERVER_MLA.against_reference(model, weights, cfg.mla, batch.aux.to(dtype),
+                                                              batch.input_ids, batch.positions, lengths, next_ids,
+                                                              against)
     finally:
         del model
     reference = Eagle3Reference(cfg, weights, against).run(batch, steps)
@@ -89,7 +87,7 @@ def forward_comparison(store, dtype_name: str, steps: int) -> Comparison:
         ordered.append(compare_tensors(k, "logits", sglang_logits[k], reference[k]["logits"][last], dtype,
                                        same=same[k]["logits"][last] if same else None, depth=depth))
     case_id = store.case.id if steps == 1 else f"{store.case.id}_{steps}_steps"
-    return Comparison(IMPL, "reference", case_id, dtype, ordered,
+    return Comparison(IMPL, REFERENCE, case_id, dtype, ordered,
                       notes=["SGLang's MLA draft (Eagle3DeepseekV2ForCausalLM) over its MLA KV pool: attention "
                              "stages and logits (each request's last row)"])
 

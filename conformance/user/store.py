@@ -88,6 +88,10 @@ class UserDraftStore(DraftStore):
         """Whether SGLang gets this suite's conversion instead of the directory as written."""
         return self.inputs.checkpoint.format not in SGLANG_FAMILY
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The user's tensors as the implementations get them (_weights)."""
+        return _weights(self.inputs.checkpoint.path, self.inputs.config)
+
     def is_user(self, case: DraftCase) -> bool:
         """The user's case, or a relabelled copy of it (e.g. the multi-step run's)."""
         return case.id.startswith(USER_CASE_ID) and case.overrides == self.case.overrides

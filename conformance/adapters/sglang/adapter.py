@@ -18,7 +18,7 @@ import torch
 from conformance.adapters.base import AdapterBase, Drafter, TimedPass, chain_drafter
 
 from conformance.core.trace import Trace
-from conformance.adapters.sglang import drafting, engine, engine_cuda, settings, target, tensor_parallel, weights
+from conformance.adapters.sglang import drafting, engine, engine_cuda, mla, settings, target, tensor_parallel, weights
 from conformance.adapters.sglang.draft_model import NAME, load_model
 from conformance.adapters.sglang.recorder import Recorder, canonical_stages
 from conformance.adapters.sglang.runtime import attention_backend, ensure_runtime, forward_batch_on, forward_pass
@@ -45,6 +45,7 @@ class SGLangAdapter(AdapterBase):
     engine: ClassVar[ModuleType | None] = engine             # SGLang's real Engine (the engine lane)
     engine_cuda: ClassVar[ModuleType | None] = engine_cuda   # the same Engine on a CUDA runner (make engine-gpu)
     tensor_parallel: ClassVar[ModuleType | None] = tensor_parallel   # target and draft over gloo ranks (TP)
+    mla: ClassVar[ModuleType | None] = mla                   # its MLA draft class, for a user's MLA draft
     releases: ClassVar[tuple[str, ...]] = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")   # differences: compat.py
     silent_drop: ClassVar[str | None] = ("load_weights loads a tensor only `if param_name in params_dict` "
                                          "(sglang/srt/models/llama_eagle3.py:363, 373) and skips the rest "

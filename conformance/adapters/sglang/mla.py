@@ -181,3 +181,17 @@ def against_reference(model, weights: dict[str, torch.Tensor], mla, aux: torch.T
                                     same=expected[dtype][s][rows] if dtype != against else None)
                     for s in ATTENTION_STAGES]
     return results, [at["logits"] for at in seen]
+
+
+def load(directory, dtype: torch.dtype):
+    """SGLang's MLA draft class built and loaded from `directory` as SGLang's model loader does."""
+    from conformance.adapters.sglang.draft_model import load_model
+
+    return load_model(directory, dtype)
+
+
+def account(directory, accounting):
+    """SGLang's MLA draft loaded from `directory`, every tensor accounted for (weights.account_mla)."""
+    from conformance.adapters.sglang.weights import account_mla
+
+    return account_mla(directory, accounting)[0]
