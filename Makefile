@@ -70,7 +70,8 @@ test: venv lint
 # at tp_size=2 (conformance/engine/test_engine_full.py, two scheduler processes), at page size 16, on a 96-token KV
 # pool whose radix cache evicts, a 2-layer trained draft (its own training, about 95 s once, cached), and a bf16
 # engine held stage by stage under the bf16 error model (conformance/engine/test_engine_bf16.py, two engines). In one
-# process (-n0): the engine lane serves one engine at a time. MEASURED_ENGINE_FULL
+# process (-n0): the engine lane serves one engine at a time. Measured on the idle 2-core host, the trained drafts
+# cached: 31 tests (30 passed, 1 strict xfail) in 328 s, 5 min 36 s wall with collection and the report.
 .PHONY: engine-full
 engine-full: venv
 	$(PYTEST) -n0 -m engine_full --report=$(REPORT)/engine-full

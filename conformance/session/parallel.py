@@ -6,9 +6,9 @@ controller, which writes the one report (conformance/plugin.py, Report.absorb).
 
 The acceptance lane is handed out first (FIRST), then xdist's own order (by number of tests, most first): by that
 order alone the acceptance lane (9 tests, about a minute of drafting) came last in `make conformance` and ran alone
-while the other worker idled. A longest-first order of every file was tried and cost more: it started the engine lane
-and the verdict's user runs (each spawning processes of its own) together, and `make test` took 1,390 CPU-s where
-it takes about 900. The order changes the time only: the report is the same whatever ran where
+while the other worker idled. Only that file moves: a longest-first order of every file would also start the engine
+lane and the verdict's user runs (each spawning processes of its own) together, and two clean-clone runs of `make
+test` did not show it faster. The order changes the time only: the report is the same whatever ran where
 (meta/test_report_determinism.py)."""
 from __future__ import annotations
 
