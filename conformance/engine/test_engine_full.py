@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import re
+import functools
 
 import pytest
 import torch
@@ -30,6 +30,7 @@ from conformance.engine.scenarios import FULL_GROUPS, SCENARIOS, TWINS, Prompt, 
 from conformance.engine.served import served_rounds
 from conformance.engine.simulate import chain_rounds
 from conformance.engine.twins import twin_failures
+from conformance.session.harness import set_ones
 from fixtures.checkpoint import edited_copy
 
 pytestmark = pytest.mark.engine_full
@@ -231,10 +232,7 @@ def as_sglang_loads_it(lane: EngineLane, entry) -> object:
     SGLang's worker computes if the entry is the whole story."""
     key = ("as sglang loads it", entry.id)
     if key not in lane.memo:
-        def unit(weights):
-            names = [n for n in weights if any(re.search(p, n) for p in entry.neutral_weights)]
-            assert names, f"{entry.id}: neutral_weights {entry.neutral_weights} name no tensor of the trained draft"
-            weights.update({n: torch.ones_like(weights[n]) for n in names})
+        unit = functools.partial(set_ones, patterns=entry.neutral_weights, where=f"the trained draft ({entry.id})")
         path = edited_copy(lane.trained.checkpoints["speculators"], lane.root / f"unit-weights-{entry.id}", unit)
         lane.memo[key] = ADAPTERS[REFERENCE]().load(path, torch.float32)
     return lane.memo[key]

@@ -191,11 +191,11 @@ class NeutralStore(DraftStore):
         for fmt, path in paths.items():
             out[fmt] = self.root / f"{case.id}-unit-weights" / fmt
             if not out[fmt].exists():
-                edited_copy(path, out[fmt], functools.partial(_set_ones, patterns=patterns, where=f"{case.id} ({fmt})"))
+                edited_copy(path, out[fmt], functools.partial(set_ones, patterns=patterns, where=f"{case.id} ({fmt})"))
         return out
 
 
-def _set_ones(weights: dict, patterns: tuple[str, ...], where: str) -> None:
+def set_ones(weights: dict, patterns: tuple[str, ...], where: str) -> None:
     for pattern in patterns:
         names = [n for n in weights if re.search(pattern, n)]
         if not names:
