@@ -4,6 +4,12 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 REPORT ?= report
 PYTEST := $(PY) -m pytest
+# Bytecode caches for this project's own modules: a host that sets PYTHONDONTWRITEBYTECODE (as this project's do)
+# otherwise has every process compile them again and pytest rewrite their assertions again, and the lanes start
+# hundreds of processes (the verdict's user runs, the engine's schedulers): about 1 s each, 5% of a user-run lane
+# (meta/test_verdict_mla.py: 112.6 -> 107.2 user CPU-s). The caches land in __pycache__/ here (.gitignore), never
+# beside a user's files.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv lint conformance check test support-matrix clean-venv bench bench-baseline bench-compare
 

@@ -45,20 +45,36 @@ def make_real_size_weights(cfg: Eagle3Config, generator: torch.Generator) -> dic
     for name, (shape, kind) in expected_tensors(cfg).items():
         if kind != "float":
             continue
-        t = torch.empty(shape, dtype=torch.bfloat16)
-        flat = t.view(-1)
-        for start in range(0, flat.numel(), CHUNK):
-            n = min(CHUNK, flat.numel() - start)
-            x = torch.randn(n, generator=generator)
-            if name.endswith("norm.weight") or ".fc_norm." in name or name.startswith("fc_norm."):
-                x = 1.0 + 0.1 * x
-            elif name != "embed_tokens.weight":
-                x /= shape[-1] ** 0.5
-            flat[start:start + n] = x.to(torch.bfloat16)
-        out[name] = t
+        norm = name.endswith("norm.weight") or ".fc_norm." in name or name.startswith("fc_norm.")
+        out[name] = seeded_bf16(shape, "norm" if norm else "embed" if name == "embed_tokens.weight" else "linear",
+                                generator)
     if cfg.draft_vocab_size != cfg.vocab_size:
         out["d2t"], out["t2d"] = make_vocab_map(cfg, generator)
     return out
+
+
+def seeded_bf16(shape: tuple[int, ...], kind: str, generator: torch.Generator) -> torch.Tensor:
+    """One bf16 tensor drawn CHUNK values at a time: "norm" 1 + 0.1 noise, "linear" scaled by 1/sqrt(fan_in),
+    "embed" as drawn."""
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    flat = t.view(-1)
+    for start in range(0, flat.numel(), CHUNK):
+        n = min(CHUNK, flat.numel() - start)
+        x = torch.randn(n, generator=generator)
+        if kind == "norm":
+            x = 1.0 + 0.1 * x
+        elif kind == "linear":
+            x /= shape[-1] ** 0.5
+        flat[start:start + n] = x.to(torch.bfloat16)
+    return t
+
+
+def make_real_size_mla_weights(cfg: dict, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """An MLA draft config's tensors (fixtures/mla.py mla_tensors: the exported names, `layers.0`), seeded bf16 as
+    make_real_size_weights draws them."""
+    from fixtures.mla import mla_tensors
+
+    return {name: seeded_bf16(shape, kind, generator) for name, (shape, kind) in mla_tensors(cfg).items()}
 
 
 def peak_rss_bytes() -> int:

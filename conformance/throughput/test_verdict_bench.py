@@ -1,7 +1,8 @@
 """Speed and memory of the user verdict (`pytest --draft-checkpoint=D ...`), measured, not asserted.
 
-Per draft shape (fixtures/real_shapes.py: tiny, Llama-3.1-8B, Kimi-K2.5) a draft is written in SGLang's
-format (the real shapes in bf16, drawn tensor by tensor as conformance/draft/real_size.py does) and the
+Per draft shape (fixtures/real_shapes.py: tiny, Llama-3.1-8B, Kimi-K2.5; and the MLA draft Kimi-K2.5 is served with,
+the published config as it is, fixtures/data/real-configs/mla/) a draft is written in SGLang's format (the real
+shapes in bf16, drawn tensor by tensor as conformance/draft/real_size.py does) and the
 whole verdict runs as a user runs it, with the draft's real target config and a chain of server flags,
 in its own process: wall time, peak RSS (the child's own rusage, so nothing else in this process
 counts) and peak anonymous memory (sampled). RSS also counts the checkpoint's memory-mapped pages, once
@@ -31,7 +32,8 @@ import pytest
 import torch
 
 from conformance.checkpoints.directory import write_draft
-from conformance.draft.real_size import make_real_size_weights
+from conformance.draft.real_size import make_real_size_mla_weights, make_real_size_weights
+from fixtures.mla import PUBLISHED, write_mla_checkpoint
 from fixtures.real_configs import REAL_CONFIGS
 from fixtures.real_shapes import SHAPES
 from fixtures.targets import TARGETS_BY_ID, write_target_config
@@ -39,7 +41,12 @@ from fixtures.tiny import make_config, make_draft_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_ARGS = "--speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4"
-TARGETS = {"llama31_8b": "meta-llama--Meta-Llama-3.1-8B.json", "kimi_k25": "moonshotai--Kimi-K2.5.json"}
+TARGETS = {"llama31_8b": "meta-llama--Meta-Llama-3.1-8B.json", "kimi_k25": "moonshotai--Kimi-K2.5.json",
+           "kimi_k25_mla": "moonshotai--Kimi-K2.5.json"}
+MLA = "kimi_k25_mla"
+# The published MLA config states 4096 positions (no max_position_embeddings: DeepseekV3Config's default) and the
+# Kimi-K2.5 target 262144: the server is told how long it runs, as a user serving that draft must.
+EXTRA_ARGS = {MLA: " --context-length 4096"}
 IMPORTS = ("import torch, transformers, speculators, sglang.srt.server_args, sglang.srt.models.registry, "
            "sglang.srt.models.llama_eagle3; "
            "from conformance.adapters.sglang.runtime import ensure_runtime; ensure_runtime()")
@@ -93,6 +100,11 @@ WRITER = ("import json, sys; from pathlib import Path; "
 
 def write_user_draft(shape: str, root: Path) -> tuple[Path, Path, int]:
     """(the draft in SGLang's format, its target config, the weight bytes)."""
+    if shape == MLA:
+        cfg = json.loads(PUBLISHED.read_text())
+        weights = make_real_size_mla_weights(cfg, torch.Generator().manual_seed(0))
+        size = sum(t.numel() * t.element_size() for t in weights.values())
+        return write_mla_checkpoint(root / "draft", cfg, weights), REAL_CONFIGS / "target" / TARGETS[shape], size
     cfg = make_config(**SHAPES[shape])
     if shape == "tiny":
         weights = make_draft_weights(cfg, torch.Generator().manual_seed(0))
@@ -112,7 +124,7 @@ def available_bytes() -> int:
 
 
 @pytest.mark.benchmark
-@pytest.mark.parametrize("shape", ["tiny", "llama31_8b", "kimi_k25"])
+@pytest.mark.parametrize("shape", ["tiny", "llama31_8b", "kimi_k25", MLA])
 def test_verdict_wall_time_and_peak_rss(shape, benchmark, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT)}
     # Written by a process of its own: a child forked from a process that held the weights would count
@@ -123,7 +135,8 @@ def test_verdict_wall_time_and_peak_rss(shape, benchmark, tmp_path):
     limit = available_bytes() - HEADROOM
     imports = measured([sys.executable, "-c", IMPORTS], env)
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--draft-checkpoint={draft}",
-            f"--target-config={target}", f"--sglang-args={SGLANG_ARGS}", f"--report={tmp_path / 'report'}"]
+            f"--target-config={target}", f"--sglang-args={SGLANG_ARGS}{EXTRA_ARGS.get(shape, '')}",
+            f"--report={tmp_path / 'report'}"]
     verdict = benchmark.pedantic(measured, args=(argv, env, limit), rounds=1, iterations=1)
     headline = next((line for line in verdict["tail"] if line.startswith("VERDICT:")), "(no verdict line)")
     figures = {"shape": shape, "weights_gib": round(size / 2**30, 2), "imports_s": imports["wall_s"],
