@@ -2,9 +2,10 @@
 tiny draft shaped like the published Kimi-K2.5 one (fixtures/mla.py), built and loaded by SGLang's own class and
 `load_weights`, and accounted for tensor by tensor (conformance/adapters/sglang/weights.py): every checkpoint
 tensor lands bit for bit (q_a_proj and kv_a_proj_with_mqa in their rows of the fused parameter SGLang builds),
-or is named. What SGLang does otherwise than training is stated as registry entries (PENDING, below). Then its
-chain over its own MLA KV pool (conformance/adapters/sglang/mla.py: step 0, then teacher-forced DECODE steps): the
-attention's stages of every step against the reference's `mla_attention` on the same attention input, fp32 and bf16.
+or is named. What SGLang does otherwise than training is stated as its registry entries (mla.entries(): the
+registry's sglang-mla-*, and the pending ones). Then its chain over its own MLA KV pool
+(conformance/adapters/sglang/mla.py: step 0, then teacher-forced DECODE steps): the attention's stages of every
+step against the reference's `mla_attention` on the same attention input, fp32 and bf16.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from conformance.adapters.sglang.mla import PENDING, against_reference
+from conformance.adapters.sglang.mla import against_reference, entries
 from conformance.adapters.sglang.weights import account_mla
 from conformance.core.matching import KnownDivergenceHit, settle_accounting
 from conformance.core.tolerances import DTYPES
@@ -26,7 +27,7 @@ SEED = 20260
 SGLANG_MLA_LOGGER = "sglang.srt.models.kimi_k25_eagle3"
 FUSED = "model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight"
 
-PENDING_BY_ID = {e.id: e for e in PENDING}
+ENTRIES_BY_ID = {e.id: e for e in entries()}
 
 
 def checkpoint(tmp_path, name="draft", layout="layers.0", edit=None, **config_changes):
@@ -188,7 +189,7 @@ def test_input_norm_is_skipped_with_a_warning_only(tmp_path, caplog, repro):
     assert {r.getMessage() for r in caplog.records if r.name == SGLANG_MLA_LOGGER} == {
         "Eagle3 MLA: skipping unexpected weight input_norm.weight"}
     with pytest.raises(KnownDivergenceHit):
-        settle_accounting(acct, PENDING, "sglang MLA weight accounting [norm_before_fc]", repro)
+        settle_accounting(acct, entries(), "sglang MLA weight accounting [norm_before_fc]", repro)
 
 
 @pytest.mark.meta
@@ -198,7 +199,7 @@ def test_the_input_norm_entry_hides_no_other_dropped_tensor(tmp_path, repro):
         w["layers.0.self_attn.q_norm.weight"] = torch.ones(cfg["qk_nope_head_dim"])
     acct, _ = account_mla(checkpoint(tmp_path, edit=edit), torch.float32)
     with pytest.raises(AssertionError) as info:
-        settle_accounting(acct, PENDING, "sglang MLA weight accounting [planted]", repro)
+        settle_accounting(acct, entries(), "sglang MLA weight accounting [planted]", repro)
     assert not isinstance(info.value, KnownDivergenceHit)
     assert "q_norm.weight" in str(info.value).split("registry:")[-1], str(info.value)
 
@@ -208,7 +209,7 @@ def test_q_straight_from_the_input_is_refused(tmp_path, repro):
     acct, model = account_mla(checkpoint(tmp_path, q_lora_rank=None), torch.float32)
     assert model is None and acct.refused == "Eagle3 MLA layer requires q_lora_rank in the draft config", acct.row("q")
     with pytest.raises(KnownDivergenceHit):
-        settle_accounting(acct, PENDING, "sglang MLA weight accounting [q_lora_rank null]", repro)
+        settle_accounting(acct, entries(), "sglang MLA weight accounting [q_lora_rank null]", repro)
 
 
 @pytest.mark.meta
@@ -216,7 +217,7 @@ def test_the_q_lora_entry_matches_only_its_message(tmp_path, repro):
     from dataclasses import replace
 
     acct, _ = account_mla(checkpoint(tmp_path, q_lora_rank=None), torch.float32)
-    other = replace(PENDING_BY_ID["sglang-mla-requires-q-lora"], message="requires kv_lora_rank")
+    other = replace(ENTRIES_BY_ID["sglang-mla-requires-q-lora"], message="requires kv_lora_rank")
     with pytest.raises(AssertionError) as info:
         settle_accounting(acct, (other,), "sglang MLA weight accounting [planted]", repro)
     assert not isinstance(info.value, KnownDivergenceHit), str(info.value)

@@ -19,17 +19,11 @@ from conformance.adapters.sglang.runtime import ATTENTION_BACKEND, ensure_runtim
 from conformance.core.registry import Known
 
 # What SGLang's MLA draft does otherwise than training, observed through SGLang's own code
-# (conformance/draft/test_mla_sglang.py) and applied to a user's MLA draft (conformance/user/mla.py). They join
-# conformance/core/registry.toml once the matrix has MLA cases for SGLang: the registry's self-tests need a case
-# each entry decides.
+# (conformance/draft/test_mla_sglang.py) and applied to a user's MLA draft (conformance/user/mla.py). The registry
+# holds those the matrix's MLA cases decide (ids sglang-mla-*: sglang-mla-requires-q-lora); this one joins
+# conformance/core/registry.toml once a built-in case has an input norm (the registry's self-tests need a case
+# each entry decides).
 PENDING = (
-    Known("load", "sglang-mla-requires-q-lora", "sglang", ">=0.5.23,<=0.5.23",
-          "draft_arch == 'mla' and q_lora_rank == None",
-          "SGLang's MLA draft layer raises unless the config states a q_lora_rank "
-          "(models/kimi_k25_eagle3.py:113-117): it replaces the fused q_a/kv_a down projection only; an MLA draft "
-          "trained with q straight from the input (q_proj: TorchSpec torchspec/models/draft/deepseek_eagle.py:"
-          "128-136, the reference's MLAConfig with q_lora_rank None) cannot be served.",
-          error="ValueError", message="^Eagle3 MLA layer requires q_lora_rank in the draft config$"),
     Known("accounting", "sglang-mla-input-norm-dropped-at-load", "sglang", ">=0.5.23,<=0.5.23",
           "draft_arch == 'mla' and norm_before_fc",
           "Eagle3MLAModel has no input norm over the aux states (models/kimi_k25_eagle3.py:191-255: fc_norm only), "
@@ -37,6 +31,17 @@ PENDING = (
           "(kimi_k25_eagle3.py:494-496): a norm_before_fc draft is served without its norm.",
           problem="dropped silently", tensors=("input_norm\\.weight",)),
 )
+MLA_ENTRY_PREFIX = "sglang-mla-"
+
+
+def entries() -> tuple[Known, ...]:
+    """SGLang's MLA draft's entries: the registry's (read at call time, so that a self-test can plant one) and the
+    pending ones. The registry's other SGLang entries describe its Llama draft (llama_eagle3.py, llama.py)."""
+    from conformance.core import registry
+
+    return tuple(e for e in registry.REGISTRY if e.impl == "sglang" and e.id.startswith(MLA_ENTRY_PREFIX)) + PENDING
+
+
 # The attention stages the chain records, in the order the attention computes them.
 ATTENTION_STAGES = ("layers.0.q_latent", "layers.0.kv_latent", "layers.0.k_rope", "layers.0.attn_out")
 
@@ -188,6 +193,52 @@ def load(directory, dtype: torch.dtype):
     from conformance.adapters.sglang.draft_model import load_model
 
     return load_model(directory, dtype)
+
+
+# What the matrix compares of SGLang's MLA draft (a trace's claimed_stages): the attention stages mla_chain records,
+# the logits and the ids drafted from them. The rest of the layer (embeds, fc, the norms, the MLP, the residuals,
+# the recurrent hidden) has no hook here yet, and q, v, q_rot and attn_core do not exist as tensors in SGLang's
+# absorbed MLA path (q_nope meets kv_b_proj's k half, w_kc, before attention:
+# models/deepseek_common/attention_forward_methods/forward_mla.py forward_absorb_prepare): those stages are absent
+# from its trace, never claimed.
+CLAIMED = frozenset(("attn_in", "q_latent", "kv_latent", "k_rope", "attn_out", "logits", "draft_ids", "target_ids"))
+
+
+class LoadedMLA:
+    """A loaded Eagle3DeepseekV2ForCausalLM run as the matrix runs a draft: `mla_chain` over the batch, teacher
+    forced at steps >= 1 (the batch's next_ids) or fed its own target ids."""
+
+    def __init__(self, model, dtype: torch.dtype):
+        self.model, self.dtype = model, dtype
+        self.hot_token_id = model.get_hot_token_id()
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.hot_token_id is None else self.hot_token_id[draft_ids]
+
+    def run(self, batch, steps: int = 1, record: bool = True):
+        from conformance.adapters.sglang.drafting import sequence_lengths
+        from conformance.core.trace import Trace, Unsupported
+
+        lengths = sequence_lengths(batch)
+        if steps > 1 and batch.next_ids is None:
+            raise Unsupported("SGLang's MLA chain is run teacher forced here (mla_chain takes the ids of every step)")
+        last = torch.tensor(lengths).cumsum(0) - 1
+        next_ids = None if steps == 1 else batch.next_ids[last, :steps - 1]
+        seen = mla_chain(self.model, batch.aux, batch.input_ids, batch.positions, lengths, next_ids)
+        trace_steps, rows = [], []
+        for k, at in enumerate(seen):
+            # As the worker after a draft pass with topk 1 on a CPU host: the argmax of the last tokens' logits.
+            draft_ids = torch.argmax(at["logits"], dim=-1)
+            trace_steps.append({**at, "draft_ids": draft_ids, "target_ids": self.target_ids(draft_ids)})
+            rows.append({name: last for name in trace_steps[-1]} if k else
+                        {"logits": last, "draft_ids": last, "target_ids": last})
+        notes = [f"attention backend {ATTENTION_BACKEND}",
+                 "step 0: DECODE of each request's first token, EXTEND of the rest over it; steps >= 1: DECODE on "
+                 "each request's last token (mla_chain)",
+                 "config via sglang get_config; weights via Eagle3DeepseekV2ForCausalLM.load_weights",
+                 "stages compared: " + ", ".join(sorted(CLAIMED)) + " (the rest of the layer is not claimed)"]
+        return Trace(impl="sglang", dtype=self.dtype, steps=trace_steps, rows=rows, notes=notes,
+                     claimed_stages=CLAIMED, num_layers=1)
 
 
 def account(directory, accounting):
