@@ -47,13 +47,14 @@ ATTENTION_STAGES = ("layers.0.q_latent", "layers.0.kv_latent", "layers.0.k_rope"
 
 
 def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int],
-              next_ids: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
+              next_ids=None, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
     """`model`: a loaded Eagle3DeepseekV2ForCausalLM; the packed requests of `lengths` tokens each (>= 2).
     Step 0 is the draft's pass over every token (DECODE of each first token, EXTEND of the rest); step k >= 1 a
     DECODE pass on each request's last token, fed `next_ids[:, k - 1]` and the recurrent hidden SGLang returned
     for that request's previous row, at position last + k, as the serving chain does. Per step: the layer-0
     attention stages ("layers.0.attn_in", "layers.0.q_latent", "layers.0.kv_latent", "layers.0.k_rope",
-    "layers.0.attn_out"; step 0 on packed rows, later steps one row per request) and the last rows' "logits"."""
+    "layers.0.attn_out"; step 0 on packed rows, later steps one row per request) and the last rows' "logits".
+    Free running: `next_ids` a callable (step k, the logits of step k - 1) -> the ids step k is fed, over `steps`."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -63,7 +64,13 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
     if min(lengths) < 2:
         raise ValueError(f"every request needs 2 tokens or more (a DECODE of the first, an EXTEND of the rest): "
                          f"{lengths}")
-    steps = 1 + (0 if next_ids is None else next_ids.shape[1])
+    if callable(next_ids):
+        feed = next_ids
+    else:
+        steps = 1 + (0 if next_ids is None else next_ids.shape[1])
+
+        def feed(k, _logits):
+            return next_ids[:, k - 1]
     attn = model.model.midlayer.self_attn
     dtype = attn.kv_b_proj.weight.dtype
     B, T = len(lengths), sum(lengths)
@@ -128,7 +135,8 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
         last_pos = positions[starts + torch.tensor(lengths) - 1]
         for k in range(1, steps):
             seen.clear()
-            out = forward_pass(model, backend, decode(next_ids[:, k - 1].long(), hidden, last_pos + k, k))
+            out = forward_pass(model, backend, decode(feed(k, out.next_token_logits).long(), hidden,
+                                                          last_pos + k, k))
             stages = {f"layers.0.{name}": at[0] for name, at in seen.items()}
             stages.update(_cached(kv, attn, torch.stack([s[n + k - 1] for s, n in zip(slots, lengths)])))
             out_steps.append({**stages, "logits": out.next_token_logits})
@@ -206,7 +214,7 @@ CLAIMED = frozenset(("attn_in", "q_latent", "kv_latent", "k_rope", "attn_out", "
 
 class LoadedMLA:
     """A loaded Eagle3DeepseekV2ForCausalLM run as the matrix runs a draft: `mla_chain` over the batch, teacher
-    forced at steps >= 1 (the batch's next_ids) or fed its own target ids."""
+    forced at steps >= 1 (the batch's next_ids) or fed its own target ids (free running, as the Llama chain)."""
 
     def __init__(self, model, dtype: torch.dtype):
         self.model, self.dtype = model, dtype
@@ -217,14 +225,16 @@ class LoadedMLA:
 
     def run(self, batch, steps: int = 1, record: bool = True):
         from conformance.adapters.sglang.drafting import sequence_lengths
-        from conformance.core.trace import Trace, Unsupported
+        from conformance.core.trace import Trace
 
         lengths = sequence_lengths(batch)
-        if steps > 1 and batch.next_ids is None:
-            raise Unsupported("SGLang's MLA chain is run teacher forced here (mla_chain takes the ids of every step)")
         last = torch.tensor(lengths).cumsum(0) - 1
-        next_ids = None if steps == 1 else batch.next_ids[last, :steps - 1]
-        seen = mla_chain(self.model, batch.aux, batch.input_ids, batch.positions, lengths, next_ids)
+        if batch.next_ids is None:   # free running: each step fed the target ids drafted from the last logits
+            def next_ids(_k, logits):
+                return self.target_ids(torch.argmax(logits, dim=-1))
+        else:
+            next_ids = None if steps == 1 else batch.next_ids[last, :steps - 1]
+        seen = mla_chain(self.model, batch.aux, batch.input_ids, batch.positions, lengths, next_ids, steps)
         trace_steps, rows = [], []
         for k, at in enumerate(seen):
             # As the worker after a draft pass with topk 1 on a CPU host: the argmax of the last tokens' logits.
