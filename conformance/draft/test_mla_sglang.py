@@ -3,7 +3,7 @@ tiny draft shaped like the published Kimi-K2.5 one (fixtures/mla.py), built and 
 `load_weights`, and accounted for tensor by tensor (conformance/adapters/sglang/weights.py): every checkpoint
 tensor lands bit for bit (q_a_proj and kv_a_proj_with_mqa in their rows of the fused parameter SGLang builds),
 or is named. What SGLang does otherwise than training is stated as its registry entries (mla.entries(): the
-registry's sglang-mla-*, and the pending ones). Then its chain over its own MLA KV pool
+registry's sglang-mla-*). Then its chain over its own MLA KV pool
 (conformance/adapters/sglang/mla.py: step 0, then teacher-forced DECODE steps): the attention's stages of every
 step against the reference's `mla_attention` on the same attention input, fp32 and bf16.
 """

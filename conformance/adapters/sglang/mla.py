@@ -18,28 +18,18 @@ import torch
 from conformance.adapters.sglang.runtime import ATTENTION_BACKEND, ensure_runtime, forward_pass
 from conformance.core.registry import Known
 
-# What SGLang's MLA draft does otherwise than training, observed through SGLang's own code
-# (conformance/draft/test_mla_sglang.py) and applied to a user's MLA draft (conformance/user/mla.py). The registry
-# holds those the matrix's MLA cases decide (ids sglang-mla-*: sglang-mla-requires-q-lora); this one joins
-# conformance/core/registry.toml once a built-in case has an input norm (the registry's self-tests need a case
-# each entry decides).
-PENDING = (
-    Known("accounting", "sglang-mla-input-norm-dropped-at-load", "sglang", ">=0.5.23,<=0.5.23",
-          "draft_arch == 'mla' and norm_before_fc",
-          "Eagle3MLAModel has no input norm over the aux states (models/kimi_k25_eagle3.py:191-255: fc_norm only), "
-          "and load_weights skips a name it cannot place with a logged warning and nothing else "
-          "(kimi_k25_eagle3.py:494-496): a norm_before_fc draft is served without its norm.",
-          problem="dropped silently", tensors=("input_norm\\.weight",)),
-)
+# What SGLang's MLA draft does otherwise than training, observed through SGLang's own code (the matrix's MLA
+# cases, conformance/draft/test_mla_sglang.py) and applied to a user's MLA draft (conformance/user/mla.py): the
+# registry's entries with this prefix (conformance/core/registry.toml).
 MLA_ENTRY_PREFIX = "sglang-mla-"
 
 
 def entries() -> tuple[Known, ...]:
-    """SGLang's MLA draft's entries: the registry's (read at call time, so that a self-test can plant one) and the
-    pending ones. The registry's other SGLang entries describe its Llama draft (llama_eagle3.py, llama.py)."""
+    """SGLang's MLA draft's entries in the registry (read at call time, so that a self-test can plant one). Its other
+    SGLang entries describe the Llama draft (llama_eagle3.py, llama.py)."""
     from conformance.core import registry
 
-    return tuple(e for e in registry.REGISTRY if e.impl == "sglang" and e.id.startswith(MLA_ENTRY_PREFIX)) + PENDING
+    return tuple(e for e in registry.REGISTRY if e.impl == "sglang" and e.id.startswith(MLA_ENTRY_PREFIX))
 
 
 # The attention stages the chain records, in the order the attention computes them.
