@@ -75,7 +75,7 @@ def parse_config(raw: dict, file: Path, fmt: str | None = None, tensor_names: li
 # MLA drafts (draft_arch "mla"): not written by these formats, each with why (speculators' is written with a
 # DeepseekV3Config layer, the reference's own reading; the speculators adapter skips it).
 NO_MLA = {
-    sglang.NAME: "LlamaForCausalLMEagle3 has a Llama layer (models/llama_eagle3.py:382); SGLang's MLA draft is "
+    sglang.NAME: "LlamaForCausalLMEagle3 has a Llama layer (models/llama_eagle3.py:272, 387); SGLang's MLA draft is "
                  "its own class and format, sglang-mla (Eagle3DeepseekV2ForCausalLM, models/kimi_k25_eagle3.py:315)",
     sglang_legacy.NAME: "SGLang's legacy layout is LlamaForCausalLMEagle3's (models/llama_eagle3.py:337-343)",
 }

@@ -1,4 +1,4 @@
-"""SGLang's MLA EAGLE-3 draft format (read only): the flat config TorchSpec exports for the drafts Kimi-K2.5/K2.6 are
+"""SGLang's MLA EAGLE-3 draft format: the flat config TorchSpec exports for the drafts Kimi-K2.5/K2.6 are
 served with (`lightseekorg/kimi-k2.5-eagle3-mla`, fixtures/data/real-configs/mla/), `architectures:
 [Eagle3DeepseekV2ForCausalLM]`, SGLang's class for it (sglang/srt/models/kimi_k25_eagle3.py, its EntryClass).
 
