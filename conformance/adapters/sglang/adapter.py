@@ -22,6 +22,7 @@ from conformance.adapters.sglang import drafting, engine, engine_cuda, mla, sett
 from conformance.adapters.sglang.draft_model import NAME, load_model
 from conformance.adapters.sglang.recorder import Recorder, canonical_stages
 from conformance.adapters.sglang.runtime import attention_backend, ensure_runtime, forward_batch_on, forward_pass
+from conformance.checkpoints.formats import sglang_mla
 from conformance.core import stages
 from conformance.loading.accounting import Accounting
 from reference.eagle3 import DraftBatch, Eagle3Config
@@ -68,7 +69,7 @@ class SGLangAdapter(AdapterBase):
 
     def format_for(self, cfg: Eagle3Config) -> str:
         # An MLA draft is SGLang's other EAGLE-3 class, with a format of its own (kimi_k25_eagle3.py).
-        return "sglang-mla" if cfg.draft_arch == "mla" else self.checkpoint_format
+        return sglang_mla.NAME if cfg.draft_arch == "mla" else self.checkpoint_format
 
     def fc_runs(self, cfg: Eagle3Config) -> bool:
         # fc only when the aux states are not hidden_size wide (llama_eagle3.py:238).
@@ -83,7 +84,7 @@ class SGLangAdapter(AdapterBase):
         speculative_draft_window_size), applied through SGLang's own scoped config override while
         the model is built, which is when LlamaForCausalLMEagle3 reads them (llama_eagle3.py:288-299)."""
         model = load_model(ckpt_dir, dtype, server_args, device)
-        if model.__class__.__name__ == "Eagle3DeepseekV2ForCausalLM":
+        if type(model).__name__ == sglang_mla.ARCHITECTURE:
             if device != "cpu":   # mla_chain builds its pools and backend on the runtime's device only
                 raise ValueError(f"sglang: the MLA draft runs on the CPU here, asked for {device!r}")
             return mla.LoadedMLA(model, dtype)
@@ -92,7 +93,7 @@ class SGLangAdapter(AdapterBase):
     def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None) -> Accounting:
         from conformance.checkpoints import detect_format
 
-        if detect_format(Path(ckpt_dir)) == "sglang-mla":
+        if detect_format(Path(ckpt_dir)) == sglang_mla.NAME:
             return mla.account(Path(ckpt_dir), dtype)
         return weights.account(self, Path(ckpt_dir), dtype, target)
 
