@@ -444,15 +444,18 @@ patches:
 
 
 @pytest.mark.meta
-def test_the_matrix_names_a_fault_outside_the_attention_at_logits(drafts, tmp_path):
-    """The MLP is not claimed: a fault there is named at the logits, the first claimed stage after it."""
+@pytest.mark.parametrize("tensor,stage", [("layers.0.mlp.down_proj.weight", "layers.0.mlp_out"),
+                                          ("norm.weight", "logits")], ids=["mlp", "final_norm"])
+def test_the_matrix_names_a_fault_outside_the_attention(tensor, stage, drafts, tmp_path):
+    """Outside the attention: the MLP's output is claimed; the final norm is not (fused with the residual add), and
+    with norm_output false the hidden fed back is the pre-norm one, so a fault there is named at the logits."""
     from fixtures.cases import CASES_BY_ID
     from fixtures.checkpoint import edited_copy
 
     def edit(w):
-        w["layers.0.mlp.down_proj.weight"][3] += 0.5
+        w[tensor][3] += 0.5
     ckpt = edited_copy(drafts.directory("sglang", CASES_BY_ID["mla_q_lora"]), tmp_path / "planted", edit)
-    assert_first_divergence(matrix_comparison(drafts, "mla_q_lora", ckpt), 0, "logits")
+    assert_first_divergence(matrix_comparison(drafts, "mla_q_lora", ckpt), 0, stage)
 
 
 @pytest.mark.meta

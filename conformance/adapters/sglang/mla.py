@@ -41,9 +41,11 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
     """`model`: a loaded Eagle3DeepseekV2ForCausalLM; the packed requests of `lengths` tokens each (>= 2).
     Step 0 is the draft's pass over every token (DECODE of each first token, EXTEND of the rest); step k >= 1 a
     DECODE pass on each request's last token, fed `next_ids[:, k - 1]` and the recurrent hidden SGLang returned
-    for that request's previous row, at position last + k, as the serving chain does. Per step: the layer-0
-    attention stages ("layers.0.attn_in", "layers.0.q_latent", "layers.0.kv_latent", "layers.0.k_rope",
-    "layers.0.attn_out"; step 0 on packed rows, later steps one row per request) and the last rows' "logits".
+    for that request's previous row, at position last + k, as the serving chain does. Per step (step 0 on packed
+    rows, later steps one row per request): "embeds", "fc_in_norm" (fc_norm's, when it has one) and "fc_out" (step 0),
+    "hidden_in" (steps >= 1), the layer-0 attention stages ("layers.0.attn_in", "layers.0.q_latent",
+    "layers.0.kv_latent", "layers.0.k_rope", "layers.0.attn_out"), "layers.0.mlp_out", "recurrent_hidden" (the hidden
+    SGLang returns), and the last rows' "logits".
     Free running: `next_ids` a callable (step k, the logits of step k - 1) -> the ids step k is fed, over `steps`."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
@@ -79,12 +81,20 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
 
     seen: dict[str, list[torch.Tensor]] = {}
 
-    def keep(name):
-        return lambda _m, _i, out: seen.setdefault(name, []).append(out.detach().clone())
-    hooks = [attn.register_forward_pre_hook(
-                 lambda _m, _a, kw: seen.setdefault("attn_in", []).append(kw["hidden_states"].detach().clone()),
-                 with_kwargs=True),
-             attn.register_forward_hook(keep("attn_out")), attn.q_a_layernorm.register_forward_hook(keep("q_latent"))]
+    def keep(name, pick=lambda out: out):
+        return lambda _m, _i, out: seen.setdefault(name, []).append(pick(out).detach().clone())
+    inner = model.model
+    def keep_input(name):
+        return lambda _m, _a, kw: seen.setdefault(name, []).append(kw["hidden_states"].detach().clone())
+    hooks = [attn.register_forward_pre_hook(keep_input("layers.0.attn_in"), with_kwargs=True),
+             attn.register_forward_hook(keep("layers.0.attn_out")),
+             attn.q_a_layernorm.register_forward_hook(keep("layers.0.q_latent")),
+             inner.embed_tokens.register_forward_hook(keep("embeds")),
+             inner.fc.register_forward_hook(keep("fc_out", lambda out: out[0])),   # (output, bias)
+             inner.midlayer.mlp.register_forward_hook(keep("layers.0.mlp_out"))]
+    # fc_norm: one RMSNorm per aux chunk, their outputs concatenated before fc (kimi_k25_eagle3.py:286-292)
+    for i, norm in enumerate(inner.fc_norm or ()):
+        hooks.append(norm.register_forward_hook(keep(f"fc_in_norm.{i}")))
     aux, input_ids, positions = aux.to(dtype, copy=True), input_ids.long().clone(), positions.long().clone()
     req, one = torch.arange(1, B + 1), torch.ones(B, dtype=torch.int64)
     starts = torch.tensor(lengths).cumsum(0) - torch.tensor(lengths)
@@ -102,7 +112,8 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
 
     out_steps = []
     try:
-        forward_pass(model, backend, decode(input_ids[first], aux[first], positions[first], 0))
+        out = forward_pass(model, backend, decode(input_ids[first], aux[first], positions[first], 0))
+        seen["recurrent_hidden"] = [out.hidden_states]
         seq_lens = torch.tensor(lengths)
         out = forward_pass(model, backend, ForwardBatch(
             forward_mode=ForwardMode.EXTEND, batch_size=B, input_ids=input_ids[rest], req_pool_indices=req,
@@ -114,11 +125,12 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
             extend_seq_lens_cpu=n_rest, extend_prefix_lens_cpu=[1] * B, capture_hidden_mode=CaptureHiddenMode.FULL,
             spec_info=EagleDraftExtendInput(hidden_states=aux[rest], num_tokens_per_req=1,
                                             num_tokens_for_logprob_per_req=1)))
+        seen["recurrent_hidden"].append(out.hidden_states)
         stages = {}
-        for name, (at_first, at_rest) in seen.items():   # back to packed rows
+        for name, (at_first, at_rest) in _chunks_joined(seen).items():   # back to packed rows
             packed = at_first.new_empty((T, *at_first.shape[1:]))
             packed[first], packed[rest] = at_first, at_rest
-            stages[f"layers.0.{name}"] = packed
+            stages[name] = packed
         stages.update(_cached(kv, attn, torch.cat([s[:n] for s, n in zip(slots, lengths)])))
         out_steps.append({**stages, "logits": out.next_token_logits})
         hidden = out.hidden_states[torch.tensor(n_rest).cumsum(0) - 1]   # each request's last row of the EXTEND
@@ -127,7 +139,8 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
             seen.clear()
             out = forward_pass(model, backend, decode(feed(k, out.next_token_logits).long(), hidden,
                                                           last_pos + k, k))
-            stages = {f"layers.0.{name}": at[0] for name, at in seen.items()}
+            seen["recurrent_hidden"] = [out.hidden_states]
+            stages = {"hidden_in": hidden, **{name: at[0] for name, at in _chunks_joined(seen).items()}}
             stages.update(_cached(kv, attn, torch.stack([s[n + k - 1] for s, n in zip(slots, lengths)])))
             out_steps.append({**stages, "logits": out.next_token_logits})
             hidden = out.hidden_states
@@ -135,6 +148,16 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
         for h in hooks:
             h.remove()
     return [{k: v.cpu() for k, v in st.items()} for st in out_steps]
+
+
+def _chunks_joined(seen: dict[str, list]) -> dict[str, list]:
+    """`seen` with the per-chunk fc_norm outputs (fc_in_norm.i, one list per chunk) joined into fc_in_norm, as the
+    model concatenates them, pass by pass."""
+    chunks = sorted((n for n in seen if n.startswith("fc_in_norm.")), key=lambda n: int(n.rsplit(".", 1)[1]))
+    out = {n: v for n, v in seen.items() if n not in chunks}
+    if chunks:
+        out["fc_in_norm"] = [torch.cat(parts, dim=-1) for parts in zip(*(seen[n] for n in chunks))]
+    return out
 
 
 def _cached(kv, attn, slots: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -193,13 +216,16 @@ def load(directory, dtype: torch.dtype):
     return load_model(directory, dtype)
 
 
-# What the matrix compares of SGLang's MLA draft (a trace's claimed_stages): the attention stages mla_chain records,
-# the logits and the ids drafted from them. The rest of the layer (embeds, fc, the norms, the MLP, the residuals,
-# the recurrent hidden) has no hook here yet, and q, v, q_rot and attn_core do not exist as tensors in SGLang's
+# What the matrix compares of SGLang's MLA draft (a trace's claimed_stages): what mla_chain records from SGLang's own
+# modules and passes (the embedding, fc_norm and fc, the attention's stages and its pool, the MLP, the hidden it
+# returns, the logits) and the ids drafted from the logits. Its layer norms are fused with the residual adds
+# (RMSNorm(x, residual) returns both), so embeds_norm, hidden_norm, residual, post_attn, post_attn_norm, layer_out and
+# final_norm have no module output of their own here; q, v, q_rot and attn_core do not exist as tensors in SGLang's
 # absorbed MLA path (q_nope meets kv_b_proj's k half, w_kc, before attention:
-# models/deepseek_common/attention_forward_methods/forward_mla.py forward_absorb_prepare): those stages are absent
+# models/deepseek_common/attention_forward_methods/forward_mla.py forward_absorb_prepare). Those stages are absent
 # from its trace, never claimed.
-CLAIMED = frozenset(("attn_in", "q_latent", "kv_latent", "k_rope", "attn_out", "logits", "draft_ids", "target_ids"))
+CLAIMED = frozenset(("embeds", "fc_in_norm", "fc_out", "hidden_in", "attn_in", "q_latent", "kv_latent", "k_rope",
+                     "attn_out", "mlp_out", "recurrent_hidden", "logits", "draft_ids", "target_ids"))
 
 
 class LoadedMLA:
