@@ -41,7 +41,7 @@ def cannot_express(impl: str, cfg) -> str | None:
     """Why `impl` cannot even run a draft of config `cfg` (its adapter's `unsupported`, or no checkpoint of `cfg`
     in the format it loads: conformance/checkpoints/formats `unwritable`), or None. Every skip of a case reads this."""
     adapter = ADAPTERS[impl]()
-    return adapter.unsupported(cfg) or unwritable(cfg, adapter.checkpoint_format)
+    return adapter.unsupported(cfg) or unwritable(cfg, adapter.format_for(cfg))
 
 
 TOOLING = ("transformers", "safetensors", "hypothesis", "pytest")   # besides torch and the implementations

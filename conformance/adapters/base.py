@@ -264,3 +264,7 @@ class AdapterBase:
 
     def unsupported(self, cfg: Eagle3Config) -> str | None:
         return None
+
+    def format_for(self, cfg: Eagle3Config) -> str:
+        """The checkpoint format it loads a draft of `cfg` from (its own, unless a class of it needs another)."""
+        return self.checkpoint_format

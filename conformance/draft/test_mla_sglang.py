@@ -2,9 +2,10 @@
 tiny draft shaped like the published Kimi-K2.5 one (fixtures/mla.py), built and loaded by SGLang's own class and
 `load_weights`, and accounted for tensor by tensor (conformance/adapters/sglang/weights.py): every checkpoint
 tensor lands bit for bit (q_a_proj and kv_a_proj_with_mqa in their rows of the fused parameter SGLang builds),
-or is named. What SGLang does otherwise than training is stated as registry entries (PENDING, below). Then its
-chain over its own MLA KV pool (conformance/adapters/sglang/mla.py: step 0, then teacher-forced DECODE steps): the
-attention's stages of every step against the reference's `mla_attention` on the same attention input, fp32 and bf16.
+or is named. What SGLang does otherwise than training is stated as its registry entries (mla.entries(): the
+registry's sglang-mla-*). Then its chain over its own MLA KV pool
+(conformance/adapters/sglang/mla.py: step 0, then teacher-forced DECODE steps): the attention's stages of every
+step against the reference's `mla_attention` on the same attention input, fp32 and bf16.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from conformance.adapters.sglang.mla import PENDING, against_reference
+from conformance.adapters.sglang.mla import against_reference, entries
 from conformance.adapters.sglang.weights import account_mla
 from conformance.core.matching import KnownDivergenceHit, settle_accounting
 from conformance.core.tolerances import DTYPES
@@ -26,7 +27,7 @@ SEED = 20260
 SGLANG_MLA_LOGGER = "sglang.srt.models.kimi_k25_eagle3"
 FUSED = "model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight"
 
-PENDING_BY_ID = {e.id: e for e in PENDING}
+ENTRIES_BY_ID = {e.id: e for e in entries()}
 
 
 def checkpoint(tmp_path, name="draft", layout="layers.0", edit=None, **config_changes):
@@ -188,7 +189,7 @@ def test_input_norm_is_skipped_with_a_warning_only(tmp_path, caplog, repro):
     assert {r.getMessage() for r in caplog.records if r.name == SGLANG_MLA_LOGGER} == {
         "Eagle3 MLA: skipping unexpected weight input_norm.weight"}
     with pytest.raises(KnownDivergenceHit):
-        settle_accounting(acct, PENDING, "sglang MLA weight accounting [norm_before_fc]", repro)
+        settle_accounting(acct, entries(), "sglang MLA weight accounting [norm_before_fc]", repro)
 
 
 @pytest.mark.meta
@@ -198,7 +199,7 @@ def test_the_input_norm_entry_hides_no_other_dropped_tensor(tmp_path, repro):
         w["layers.0.self_attn.q_norm.weight"] = torch.ones(cfg["qk_nope_head_dim"])
     acct, _ = account_mla(checkpoint(tmp_path, edit=edit), torch.float32)
     with pytest.raises(AssertionError) as info:
-        settle_accounting(acct, PENDING, "sglang MLA weight accounting [planted]", repro)
+        settle_accounting(acct, entries(), "sglang MLA weight accounting [planted]", repro)
     assert not isinstance(info.value, KnownDivergenceHit)
     assert "q_norm.weight" in str(info.value).split("registry:")[-1], str(info.value)
 
@@ -208,7 +209,7 @@ def test_q_straight_from_the_input_is_refused(tmp_path, repro):
     acct, model = account_mla(checkpoint(tmp_path, q_lora_rank=None), torch.float32)
     assert model is None and acct.refused == "Eagle3 MLA layer requires q_lora_rank in the draft config", acct.row("q")
     with pytest.raises(KnownDivergenceHit):
-        settle_accounting(acct, PENDING, "sglang MLA weight accounting [q_lora_rank null]", repro)
+        settle_accounting(acct, entries(), "sglang MLA weight accounting [q_lora_rank null]", repro)
 
 
 @pytest.mark.meta
@@ -216,7 +217,7 @@ def test_the_q_lora_entry_matches_only_its_message(tmp_path, repro):
     from dataclasses import replace
 
     acct, _ = account_mla(checkpoint(tmp_path, q_lora_rank=None), torch.float32)
-    other = replace(PENDING_BY_ID["sglang-mla-requires-q-lora"], message="requires kv_lora_rank")
+    other = replace(ENTRIES_BY_ID["sglang-mla-requires-q-lora"], message="requires kv_lora_rank")
     with pytest.raises(AssertionError) as info:
         settle_accounting(acct, (other,), "sglang MLA weight accounting [planted]", repro)
     assert not isinstance(info.value, KnownDivergenceHit), str(info.value)
@@ -387,3 +388,121 @@ patches:
     bad = first_failed(attention_results(tmp_path, 3, F32, steps=3))
     assert bad is not None and (bad.step, bad.stage) == (1, "layers.0.attn_out"), \
         f"first divergence {bad and (bad.step, bad.stage)}"
+
+
+# ---------------------------------------------------------------- the matrix's SGLang column on the MLA cases
+# (conformance/draft/test_step0.py, test_multistep.py): SGLang's MLA class loaded from the case's sglang-mla
+# checkpoint by the adapter, its trace compared by compare_traces as every pair's is.
+
+def matrix_comparison(drafts, case_id: str, ckpt=None, steps: int = 1):
+    from conformance.adapters import ADAPTERS, REFERENCE
+    from conformance.core.compare import compare_traces
+    from fixtures.cases import CASES_BY_ID
+
+    case = CASES_BY_ID[case_id]
+    actual = ADAPTERS["sglang"]().load(ckpt or drafts.directory("sglang", case), F32).run(
+        drafts.batch(case, steps), steps)
+    return compare_traces(actual, drafts.trace(REFERENCE, case, F32, steps), case.id)
+
+
+def assert_first_divergence(comparison, step: int, stage: str):
+    __tracebackhide__ = True
+    first = comparison.first_divergence
+    assert first is not None and (first.step, first.stage) == (step, stage), \
+        f"expected step {step} `{stage}`, got:\n{comparison.message('-')}"
+    message = comparison.message("python -m pytest 'x::y'")
+    for part in ("sglang", comparison.case_id, f"step {step}", f"stage '{stage}'", "max abs error", "repro:"):
+        assert part in message, f"failure message lacks {part!r}:\n{message}"
+
+
+def test_the_mla_trace_has_every_stage_it_claims(drafts):
+    """What the column compares: the attention stages, the logits and the drafted ids, each produced; nothing it
+    does not produce is claimed (a claimed stage it lacks would fail as missing)."""
+    from conformance.core import stages
+    from fixtures.cases import CASES_BY_ID
+
+    case = CASES_BY_ID["mla_q_lora"]
+    trace = drafts.trace("sglang", case, F32)
+    expected = drafts.trace("reference", case, F32)
+    assert trace.claimed_stages >= {"q_latent", "kv_latent", "k_rope", "attn_out", "logits"}, trace.claimed_stages
+    missing = [s for s in expected.steps[0] if s.rsplit(".", 1)[-1] in trace.claimed_stages and s not in trace.steps[0]]
+    assert not missing, f"sglang claims but did not produce: {missing}"
+    unclaimed = {s.rsplit(".", 1)[-1] for s in trace.steps[0]} - trace.claimed_stages
+    assert not unclaimed and set(trace.steps[0]) <= set(stages.stage_names(1)), sorted(trace.steps[0])
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("plant", list(PLANTED_MLA))
+def test_the_matrix_names_a_planted_mla_fault_at_its_stage(plant, drafts, patched_sglang):
+    stage, edit = PLANTED_MLA[plant]
+    patched_sglang(f"""
+patches:
+  - target: {MLA_PREPARE}
+    edits:
+      - match: |{edit}""")
+    assert_first_divergence(matrix_comparison(drafts, "mla_q_lora"), 0, stage)
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("tensor,stage", [("layers.0.mlp.down_proj.weight", "layers.0.mlp_out"),
+                                          ("norm.weight", "logits")], ids=["mlp", "final_norm"])
+def test_the_matrix_names_a_fault_outside_the_attention(tensor, stage, drafts, tmp_path):
+    """Outside the attention: the MLP's output is claimed; the final norm is not (fused with the residual add), and
+    with norm_output false the hidden fed back is the pre-norm one, so a fault there is named at the logits."""
+    from fixtures.cases import CASES_BY_ID
+    from fixtures.checkpoint import edited_copy
+
+    def edit(w):
+        w[tensor][3] += 0.5
+    ckpt = edited_copy(drafts.directory("sglang", CASES_BY_ID["mla_q_lora"]), tmp_path / "planted", edit)
+    assert_first_divergence(matrix_comparison(drafts, "mla_q_lora", ckpt), 0, stage)
+
+
+@pytest.mark.meta
+def test_the_matrix_sees_the_rope_order_sglang_reads(drafts, tmp_path):
+    """SGLang reads rope_interleave (deepseek_v2.py:2166: is_neox_style); the written flag flipped on an interleaved
+    draft turns its rope slice half-split, first seen in the cached rope key."""
+    import json
+    import shutil
+
+    from fixtures.cases import CASES_BY_ID
+
+    ckpt = shutil.copytree(drafts.directory("sglang", CASES_BY_ID["mla_q_lora"]), tmp_path / "flipped")
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["rope_interleave"] is True
+    (ckpt / "config.json").write_text(json.dumps({**config, "rope_interleave": False}))
+    assert_first_divergence(matrix_comparison(drafts, "mla_q_lora", ckpt), 0, "layers.0.k_rope")
+
+
+@pytest.mark.meta
+def test_the_matrix_names_a_decode_only_fault_at_step_1(drafts, patched_sglang):
+    """The teacher-forced column's later steps are SGLang's DECODE passes: its softmax scale doubled there shows at
+    step 1's attention output (step 0's first-token DECODE attends to one key, where any scale gives 1)."""
+    patched_sglang("""
+patches:
+  - target: sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode
+    edits:
+      - match: |
+          scaling=layer.scaling,
+        replacement: |
+          scaling=layer.scaling * 2,
+""")
+    assert_first_divergence(matrix_comparison(drafts, "ms_mla_q_lora", steps=3), 1, "layers.0.attn_out")
+
+
+@pytest.mark.parametrize("case_id,rotary,neox", [("mla_q_lora", "RotaryEmbedding", False),
+                                                 ("mla_rope_half_split", "RotaryEmbedding", True),
+                                                 ("mla_rope_yarn", "DeepseekScalingRotaryEmbedding", False)])
+def test_the_mla_rope_is_built_as_served(case_id, rotary, neox, drafts):
+    """A plain rope through SGLang's serving factory (draft_model.serving_mla_rope: its CPU factory asserts on it),
+    a scaled one through its CPU factory, the order from rope_interleave; SGLang's module is left as it was."""
+    from sglang.srt.layers.rotary_embedding import get_rope_wrapper
+    from sglang.srt.models import deepseek_v2
+
+    from conformance.adapters.sglang.draft_model import load_model
+    from fixtures.cases import CASES_BY_ID
+
+    model = load_model(drafts.directory("sglang", CASES_BY_ID[case_id]), F32)
+    rope = model.model.midlayer.self_attn.rotary_emb
+    assert (type(rope).__name__, rope.is_neox_style) == (rotary, neox)
+    assert deepseek_v2.get_rope_wrapper is get_rope_wrapper

@@ -28,7 +28,7 @@ _ACCOUNTS: dict = {}
 def account_of(drafts, case, impl):
     """One implementation's account of one case (fp32), computed once per session."""
     if (case.id, impl) not in _ACCOUNTS:
-        _ACCOUNTS[case.id, impl] = account(impl, drafts.checkpoint(case)[ADAPTERS[impl].checkpoint_format])
+        _ACCOUNTS[case.id, impl] = account(impl, drafts.directory(impl, case))
     return _ACCOUNTS[case.id, impl]
 
 

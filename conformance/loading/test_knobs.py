@@ -24,7 +24,7 @@ IMPLS = (REFERENCE, *IMPLEMENTATIONS)   # the default lane's
 def _accounts(drafts, case_id: str) -> list:
     case = CASES_BY_ID[case_id]
     dirs = drafts.checkpoint(case)
-    return [account(impl, dirs[ADAPTERS[impl].checkpoint_format]) for impl in IMPLS
+    return [account(impl, dirs[ADAPTERS[impl]().format_for(case.config)]) for impl in IMPLS
             if cannot_express(impl, case.config) is None]
 
 

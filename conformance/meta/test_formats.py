@@ -31,10 +31,12 @@ NEMO_CASES = [c for c in ALL_CASES if c.id in (
     # and its MLA draft (draft_deepseek.py), interleaved RoPE only
     "mla_q_lora", "mla_direct_q", "mla_rope_yarn", "mla_rope_yarn_defaults", "mla_eagle3_1", "mla_deep_positions",
     "ms_mla_q_lora", "ms_mla_direct_q_yarn", "ms_mla_eagle3_1")]
-LLAMA_LAYER_CASES = [c for c in ALL_CASES if c.config.draft_arch != "mla"]   # no MLA draft in SGLang's writers yet
-# formats that cannot express every case: trainers', and SGLang's for MLA drafts (formats/__init__.py NO_MLA)
+LLAMA_LAYER_CASES = [c for c in ALL_CASES if c.config.draft_arch != "mla"]   # SGLang's Llama-layer formats
+MLA_CASES = [c for c in ALL_CASES if c.config.draft_arch == "mla"]   # SGLang's MLA class's format
+# formats that cannot express every case: trainers', SGLang's Llama ones for MLA drafts (formats/__init__.py NO_MLA),
+# SGLang's MLA one for the rest
 PARTIAL = {"specforge": SPECFORGE_CASES, "nemo": NEMO_CASES, "sglang": LLAMA_LAYER_CASES,
-           "sglang-legacy": LLAMA_LAYER_CASES}
+           "sglang-legacy": LLAMA_LAYER_CASES, "sglang-mla": MLA_CASES}
 # What speculators' own code can build (its adapter's `unsupported`: no MLA draft layer).
 SPECULATORS_CASES = [c for c in ALL_CASES if ADAPTERS["speculators"]().unsupported(c.config) is None]
 

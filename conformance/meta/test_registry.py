@@ -269,7 +269,7 @@ def test_accounting_entries_still_name_their_tensors(entry, drafts):
     problems = []
     for case in cases:
         for dtype_name, dtype in sorted(DTYPES.items()):
-            acct = account(entry.impl, drafts.checkpoint(case)[ADAPTERS[entry.impl].checkpoint_format], dtype)
+            acct = account(entry.impl, drafts.directory(entry.impl, case), dtype)
             named = [t for p, t in accounting_problems(acct) if p == entry.problem]
             problems += [f"{entry.id}: case {case.id} in {dtype_name}: no {entry.problem} tensor matches {pattern!r} "
                          f"({named or 'none'})" for pattern in entry.tensors if not any(re.fullmatch(pattern, t)

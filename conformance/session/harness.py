@@ -58,7 +58,7 @@ class DraftStore:
 
     def directory(self, impl: str, case: DraftCase) -> Path:
         """The directory `impl` loads `case` from: its checkpoint in the implementation's own format."""
-        return self.checkpoint(case)[ADAPTERS[impl].checkpoint_format]
+        return self.checkpoint(case)[ADAPTERS[impl]().format_for(case.config)]
 
     def batch(self, case: DraftCase, steps: int = 1, teacher_forced: bool = True) -> DraftBatch:
         batch = make_batch(case.config, case.lengths, torch.Generator().manual_seed(case.seed + 1), steps,

@@ -2,13 +2,13 @@
 models/kimi_k25_eagle3.py) in the verdict: what of SGLang's MLA draft the user checks run, through the same machinery
 as conformance/draft/test_mla_sglang.py (conformance/adapters/sglang/mla.py, weights.account_mla).
 
-SGLang loads the user's directory as written (a copy: config.json copied, weights linked). Its load is accounted
-for tensor by tensor (account_mla), judged with SGLang's MLA entries (mla.PENDING, not yet in the registry: the
-matrix has no SGLang MLA case for the registry's self-tests). Its chain (step 0, then teacher-forced DECODE steps
-over its own MLA KV pool, mla_chain) is compared with the reference on the user's samples and aux states: each
-attention stage against the reference's `mla_attention` fed SGLang's own attention input, then each step's logits
-(each request's last row, the rows SGLang computes them for) against the reference draft's whole pass, so a
-divergence outside the attention (fc, its norms, the MLP, the head) is named at `logits`.
+SGLang loads the user's directory as written (a copy: config.json copied, weights linked). Its load is accounted for
+tensor by tensor (account_mla), judged with SGLang's MLA entries (mla.entries(): the registry's sglang-mla-*). Its
+chain (step 0, then teacher-forced DECODE steps over its own MLA KV pool, mla_chain) is compared with the reference
+on the user's samples and aux states: each attention stage against the reference's `mla_attention` fed SGLang's own
+attention input, then each step's logits (each request's last row, the rows SGLang computes them for) against the
+reference draft's whole pass, so a divergence outside the attention (fc, its norms, the MLP, the head) is named at
+`logits`.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def is_mla(inputs) -> bool:
 def known(case, areas=("accounting", "load")) -> tuple:
     """SGLang's MLA entries that apply to the user's draft. The registry's SGLang entries describe its Llama draft
     (llama_eagle3.py, llama.py), which an MLA draft never runs."""
-    return registry.applicable(areas, IMPL, registry.case_names(case), SERVER_MLA.PENDING)
+    return registry.applicable(areas, IMPL, registry.case_names(case), SERVER_MLA.entries())
 
 
 def account(store):

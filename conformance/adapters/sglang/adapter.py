@@ -22,6 +22,7 @@ from conformance.adapters.sglang import drafting, engine, engine_cuda, mla, sett
 from conformance.adapters.sglang.draft_model import NAME, load_model
 from conformance.adapters.sglang.recorder import Recorder, canonical_stages
 from conformance.adapters.sglang.runtime import attention_backend, ensure_runtime, forward_batch_on, forward_pass
+from conformance.checkpoints.formats import sglang_mla
 from conformance.core import stages
 from conformance.loading.accounting import Accounting
 from reference.eagle3 import DraftBatch, Eagle3Config
@@ -47,6 +48,7 @@ class SGLangAdapter(AdapterBase):
     tensor_parallel: ClassVar[ModuleType | None] = tensor_parallel   # target and draft over gloo ranks (TP)
     mla: ClassVar[ModuleType | None] = mla                   # its MLA draft class, for a user's MLA draft
     releases: ClassVar[tuple[str, ...]] = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")   # differences: compat.py
+    mla_releases: ClassVar[tuple[str, ...]] = ("0.5.23",)   # where its MLA draft class was run (mla.py)
     silent_drop: ClassVar[str | None] = ("load_weights loads a tensor only `if param_name in params_dict` "
                                          "(sglang/srt/models/llama_eagle3.py:363, 373) and skips the rest "
                                          "without a word")
@@ -56,7 +58,18 @@ class SGLangAdapter(AdapterBase):
         # suite to catch, not reasons to skip.
         if cfg.hidden_act != "silu":
             return f"SGLang's draft MLP (LlamaMLP) only supports silu, not {cfg.hidden_act!r}"
+        if cfg.draft_arch == "mla":
+            from conformance.core import registry   # the release the matrix is evaluated at (support_matrix)
+
+            release = registry.installed_version(self.package)
+            if release not in self.mla_releases:
+                return (f"SGLang's MLA draft (Eagle3DeepseekV2ForCausalLM, models/kimi_k25_eagle3.py) is run on "
+                        f"{', '.join(self.mla_releases)} only, not on {release}")
         return None
+
+    def format_for(self, cfg: Eagle3Config) -> str:
+        # An MLA draft is SGLang's other EAGLE-3 class, with a format of its own (kimi_k25_eagle3.py).
+        return sglang_mla.NAME if cfg.draft_arch == "mla" else self.checkpoint_format
 
     def fc_runs(self, cfg: Eagle3Config) -> bool:
         # fc only when the aux states are not hidden_size wide (llama_eagle3.py:238).
@@ -71,9 +84,17 @@ class SGLangAdapter(AdapterBase):
         speculative_draft_window_size), applied through SGLang's own scoped config override while
         the model is built, which is when LlamaForCausalLMEagle3 reads them (llama_eagle3.py:288-299)."""
         model = load_model(ckpt_dir, dtype, server_args, device)
+        if type(model).__name__ == sglang_mla.ARCHITECTURE:
+            if device != "cpu":   # mla_chain builds its pools and backend on the runtime's device only
+                raise ValueError(f"sglang: the MLA draft runs on the CPU here, asked for {device!r}")
+            return mla.LoadedMLA(model, dtype)
         return LoadedSGLang(model, dtype, ensure_runtime(), device, Path(ckpt_dir))
 
     def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None) -> Accounting:
+        from conformance.checkpoints import detect_format
+
+        if detect_format(Path(ckpt_dir)) == sglang_mla.NAME:
+            return mla.account(Path(ckpt_dir), dtype)
         return weights.account(self, Path(ckpt_dir), dtype, target)
 
 

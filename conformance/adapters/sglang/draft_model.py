@@ -3,6 +3,7 @@ model runner does, built from config.json, loaded through its own `load_weights`
 forward) and by the weight accounting (weights.py), neither importing the other."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def load_model(ckpt_dir: Path, dtype: torch.dtype, server_args: dict | None = No
     # rewritten between tests would return a stale config); the model also writes into it.
     config = get_config.__wrapped__(str(ckpt_dir), trust_remote_code=False)
     model_class = draft_class(ckpt_dir, config)
-    with set_default_torch_dtype(dtype), get_spec().override(**(server_args or {})), torch.device(device):
+    with set_default_torch_dtype(dtype), get_spec().override(**(server_args or {})), torch.device(device), \
+            serving_mla_rope(runtime["device"]):
         model = model_class(config).eval()
     # SGLang's loader reads every weight file the directory has (a shard index too, as NeMo writes it).
     model.load_weights(safetensors_weights_iterator([str(p) for p in weight_files(Path(ckpt_dir))]))
@@ -55,3 +57,28 @@ def draft_class(ckpt_dir: Path, config):
     with warnings.catch_warnings():   # importing its model modules: "Triton is not supported on current platform"
         warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
         return get_model_architecture(model_config)[0]
+
+
+@contextlib.contextmanager
+def serving_mla_rope(device: str):
+    """On a CPU host, DeepSeek's MLA attention (the MLA draft's, models/deepseek_v2.py:2165-2175) builds its rope
+    through SGLang's CPU factory, which asserts on a rope without scaling (layers/rotary_embedding/factory.py:478):
+    a plain-RoPE MLA draft would not even build. Inside, that one call gets SGLang's serving factory instead, the
+    one get_rope_wrapper takes on a CUDA server (factory.py:527-538: get_rope; a plain RotaryEmbedding, whose own
+    forward_native runs here as the Llama draft's, runtime.cpu_runtime_adjustments). A scaled rope keeps the CPU
+    factory (deepseek_yarn: the same DeepseekScalingRotaryEmbedding). Nothing changes on a CUDA host."""
+    if device != "cpu":
+        yield
+        return
+    from sglang.srt.models import deepseek_v2
+
+    cpu_wrapper = deepseek_v2.get_rope_wrapper
+
+    def serving_wrapper(*args, rope_scaling=None, device=None, **kwargs):
+        served = "cpu" if rope_scaling else "cuda"   # any non-CPU device: get_rope, as served
+        return cpu_wrapper(*args, rope_scaling=rope_scaling, device=served, **kwargs)
+    deepseek_v2.get_rope_wrapper = serving_wrapper
+    try:
+        yield
+    finally:
+        deepseek_v2.get_rope_wrapper = cpu_wrapper

@@ -18,37 +18,35 @@ import torch
 from conformance.adapters.sglang.runtime import ATTENTION_BACKEND, ensure_runtime, forward_pass
 from conformance.core.registry import Known
 
-# What SGLang's MLA draft does otherwise than training, observed through SGLang's own code
-# (conformance/draft/test_mla_sglang.py) and applied to a user's MLA draft (conformance/user/mla.py). They join
-# conformance/core/registry.toml once the matrix has MLA cases for SGLang: the registry's self-tests need a case
-# each entry decides.
-PENDING = (
-    Known("load", "sglang-mla-requires-q-lora", "sglang", ">=0.5.23,<=0.5.23",
-          "draft_arch == 'mla' and q_lora_rank == None",
-          "SGLang's MLA draft layer raises unless the config states a q_lora_rank "
-          "(models/kimi_k25_eagle3.py:113-117): it replaces the fused q_a/kv_a down projection only; an MLA draft "
-          "trained with q straight from the input (q_proj: TorchSpec torchspec/models/draft/deepseek_eagle.py:"
-          "128-136, the reference's MLAConfig with q_lora_rank None) cannot be served.",
-          error="ValueError", message="^Eagle3 MLA layer requires q_lora_rank in the draft config$"),
-    Known("accounting", "sglang-mla-input-norm-dropped-at-load", "sglang", ">=0.5.23,<=0.5.23",
-          "draft_arch == 'mla' and norm_before_fc",
-          "Eagle3MLAModel has no input norm over the aux states (models/kimi_k25_eagle3.py:191-255: fc_norm only), "
-          "and load_weights skips a name it cannot place with a logged warning and nothing else "
-          "(kimi_k25_eagle3.py:494-496): a norm_before_fc draft is served without its norm.",
-          problem="dropped silently", tensors=("input_norm\\.weight",)),
-)
+# What SGLang's MLA draft does otherwise than training, observed through SGLang's own code (the matrix's MLA
+# cases, conformance/draft/test_mla_sglang.py) and applied to a user's MLA draft (conformance/user/mla.py): the
+# registry's entries with this prefix (conformance/core/registry.toml).
+MLA_ENTRY_PREFIX = "sglang-mla-"
+
+
+def entries() -> tuple[Known, ...]:
+    """SGLang's MLA draft's entries in the registry (read at call time, so that a self-test can plant one). Its other
+    SGLang entries describe the Llama draft (llama_eagle3.py, llama.py)."""
+    from conformance.core import registry
+
+    return tuple(e for e in registry.REGISTRY if e.impl == "sglang" and e.id.startswith(MLA_ENTRY_PREFIX))
+
+
 # The attention stages the chain records, in the order the attention computes them.
 ATTENTION_STAGES = ("layers.0.q_latent", "layers.0.kv_latent", "layers.0.k_rope", "layers.0.attn_out")
 
 
 def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int],
-              next_ids: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
+              next_ids=None, steps: int | None = None) -> list[dict[str, torch.Tensor]]:
     """`model`: a loaded Eagle3DeepseekV2ForCausalLM; the packed requests of `lengths` tokens each (>= 2).
     Step 0 is the draft's pass over every token (DECODE of each first token, EXTEND of the rest); step k >= 1 a
     DECODE pass on each request's last token, fed `next_ids[:, k - 1]` and the recurrent hidden SGLang returned
-    for that request's previous row, at position last + k, as the serving chain does. Per step: the layer-0
-    attention stages ("layers.0.attn_in", "layers.0.q_latent", "layers.0.kv_latent", "layers.0.k_rope",
-    "layers.0.attn_out"; step 0 on packed rows, later steps one row per request) and the last rows' "logits"."""
+    for that request's previous row, at position last + k, as the serving chain does. Per step (step 0 on packed
+    rows, later steps one row per request): "embeds", "fc_in_norm" (fc_norm's, when it has one) and "fc_out" (step 0),
+    "hidden_in" (steps >= 1), the layer-0 attention stages ("layers.0.attn_in", "layers.0.q_latent",
+    "layers.0.kv_latent", "layers.0.k_rope", "layers.0.attn_out"), "layers.0.mlp_out", "recurrent_hidden" (the hidden
+    SGLang returns), and the last rows' "logits".
+    Free running: `next_ids` a callable (step k, the logits of step k - 1) -> the ids step k is fed, over `steps`."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -58,7 +56,13 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
     if min(lengths) < 2:
         raise ValueError(f"every request needs 2 tokens or more (a DECODE of the first, an EXTEND of the rest): "
                          f"{lengths}")
-    steps = 1 + (0 if next_ids is None else next_ids.shape[1])
+    if callable(next_ids):
+        feed = next_ids
+    else:
+        steps = 1 + (0 if next_ids is None else next_ids.shape[1])
+
+        def feed(k, _logits):
+            return next_ids[:, k - 1]
     attn = model.model.midlayer.self_attn
     dtype = attn.kv_b_proj.weight.dtype
     B, T = len(lengths), sum(lengths)
@@ -77,12 +81,20 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
 
     seen: dict[str, list[torch.Tensor]] = {}
 
-    def keep(name):
-        return lambda _m, _i, out: seen.setdefault(name, []).append(out.detach().clone())
-    hooks = [attn.register_forward_pre_hook(
-                 lambda _m, _a, kw: seen.setdefault("attn_in", []).append(kw["hidden_states"].detach().clone()),
-                 with_kwargs=True),
-             attn.register_forward_hook(keep("attn_out")), attn.q_a_layernorm.register_forward_hook(keep("q_latent"))]
+    def keep(name, pick=lambda out: out):
+        return lambda _m, _i, out: seen.setdefault(name, []).append(pick(out).detach().clone())
+    inner = model.model
+    def keep_input(name):
+        return lambda _m, _a, kw: seen.setdefault(name, []).append(kw["hidden_states"].detach().clone())
+    hooks = [attn.register_forward_pre_hook(keep_input("layers.0.attn_in"), with_kwargs=True),
+             attn.register_forward_hook(keep("layers.0.attn_out")),
+             attn.q_a_layernorm.register_forward_hook(keep("layers.0.q_latent")),
+             inner.embed_tokens.register_forward_hook(keep("embeds")),
+             inner.fc.register_forward_hook(keep("fc_out", lambda out: out[0])),   # (output, bias)
+             inner.midlayer.mlp.register_forward_hook(keep("layers.0.mlp_out"))]
+    # fc_norm: one RMSNorm per aux chunk, their outputs concatenated before fc (kimi_k25_eagle3.py:286-292)
+    for i, norm in enumerate(inner.fc_norm or ()):
+        hooks.append(norm.register_forward_hook(keep(f"fc_in_norm.{i}")))
     aux, input_ids, positions = aux.to(dtype, copy=True), input_ids.long().clone(), positions.long().clone()
     req, one = torch.arange(1, B + 1), torch.ones(B, dtype=torch.int64)
     starts = torch.tensor(lengths).cumsum(0) - torch.tensor(lengths)
@@ -100,7 +112,8 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
 
     out_steps = []
     try:
-        forward_pass(model, backend, decode(input_ids[first], aux[first], positions[first], 0))
+        out = forward_pass(model, backend, decode(input_ids[first], aux[first], positions[first], 0))
+        seen["recurrent_hidden"] = [out.hidden_states]
         seq_lens = torch.tensor(lengths)
         out = forward_pass(model, backend, ForwardBatch(
             forward_mode=ForwardMode.EXTEND, batch_size=B, input_ids=input_ids[rest], req_pool_indices=req,
@@ -112,19 +125,22 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
             extend_seq_lens_cpu=n_rest, extend_prefix_lens_cpu=[1] * B, capture_hidden_mode=CaptureHiddenMode.FULL,
             spec_info=EagleDraftExtendInput(hidden_states=aux[rest], num_tokens_per_req=1,
                                             num_tokens_for_logprob_per_req=1)))
+        seen["recurrent_hidden"].append(out.hidden_states)
         stages = {}
-        for name, (at_first, at_rest) in seen.items():   # back to packed rows
+        for name, (at_first, at_rest) in _chunks_joined(seen).items():   # back to packed rows
             packed = at_first.new_empty((T, *at_first.shape[1:]))
             packed[first], packed[rest] = at_first, at_rest
-            stages[f"layers.0.{name}"] = packed
+            stages[name] = packed
         stages.update(_cached(kv, attn, torch.cat([s[:n] for s, n in zip(slots, lengths)])))
         out_steps.append({**stages, "logits": out.next_token_logits})
         hidden = out.hidden_states[torch.tensor(n_rest).cumsum(0) - 1]   # each request's last row of the EXTEND
         last_pos = positions[starts + torch.tensor(lengths) - 1]
         for k in range(1, steps):
             seen.clear()
-            out = forward_pass(model, backend, decode(next_ids[:, k - 1].long(), hidden, last_pos + k, k))
-            stages = {f"layers.0.{name}": at[0] for name, at in seen.items()}
+            out = forward_pass(model, backend, decode(feed(k, out.next_token_logits).long(), hidden,
+                                                          last_pos + k, k))
+            seen["recurrent_hidden"] = [out.hidden_states]
+            stages = {"hidden_in": hidden, **{name: at[0] for name, at in _chunks_joined(seen).items()}}
             stages.update(_cached(kv, attn, torch.stack([s[n + k - 1] for s, n in zip(slots, lengths)])))
             out_steps.append({**stages, "logits": out.next_token_logits})
             hidden = out.hidden_states
@@ -132,6 +148,16 @@ def mla_chain(model, aux: torch.Tensor, input_ids: torch.Tensor, positions: torc
         for h in hooks:
             h.remove()
     return [{k: v.cpu() for k, v in st.items()} for st in out_steps]
+
+
+def _chunks_joined(seen: dict[str, list]) -> dict[str, list]:
+    """`seen` with the per-chunk fc_norm outputs (fc_in_norm.i, one list per chunk) joined into fc_in_norm, as the
+    model concatenates them, pass by pass."""
+    chunks = sorted((n for n in seen if n.startswith("fc_in_norm.")), key=lambda n: int(n.rsplit(".", 1)[1]))
+    out = {n: v for n, v in seen.items() if n not in chunks}
+    if chunks:
+        out["fc_in_norm"] = [torch.cat(parts, dim=-1) for parts in zip(*(seen[n] for n in chunks))]
+    return out
 
 
 def _cached(kv, attn, slots: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -190,6 +216,57 @@ def load(directory, dtype: torch.dtype):
     from conformance.adapters.sglang.draft_model import load_model
 
     return load_model(directory, dtype)
+
+
+# What the matrix compares of SGLang's MLA draft (a trace's claimed_stages): what mla_chain records from SGLang's own
+# modules and passes (the embedding, fc_norm and fc, the attention's stages and its pool, the MLP, the hidden it
+# returns, the logits) and the ids drafted from the logits. Its layer norms are fused with the residual adds
+# (RMSNorm(x, residual) returns both), so embeds_norm, hidden_norm, residual, post_attn, post_attn_norm, layer_out and
+# final_norm have no module output of their own here; q, v, q_rot and attn_core do not exist as tensors in SGLang's
+# absorbed MLA path (q_nope meets kv_b_proj's k half, w_kc, before attention:
+# models/deepseek_common/attention_forward_methods/forward_mla.py forward_absorb_prepare). Those stages are absent
+# from its trace, never claimed.
+CLAIMED = frozenset(("embeds", "fc_in_norm", "fc_out", "hidden_in", "attn_in", "q_latent", "kv_latent", "k_rope",
+                     "attn_out", "mlp_out", "recurrent_hidden", "logits", "draft_ids", "target_ids"))
+
+
+class LoadedMLA:
+    """A loaded Eagle3DeepseekV2ForCausalLM run as the matrix runs a draft: `mla_chain` over the batch, teacher
+    forced at steps >= 1 (the batch's next_ids) or fed its own target ids (free running, as the Llama chain)."""
+
+    def __init__(self, model, dtype: torch.dtype):
+        self.model, self.dtype = model, dtype
+        self.hot_token_id = model.get_hot_token_id()
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.hot_token_id is None else self.hot_token_id[draft_ids]
+
+    def run(self, batch, steps: int = 1, record: bool = True):
+        from conformance.adapters.sglang.drafting import sequence_lengths
+        from conformance.core.trace import Trace
+
+        lengths = sequence_lengths(batch)
+        last = torch.tensor(lengths).cumsum(0) - 1
+        if batch.next_ids is None:   # free running: each step fed the target ids drafted from the last logits
+            def next_ids(_k, logits):
+                return self.target_ids(torch.argmax(logits, dim=-1))
+        else:
+            next_ids = None if steps == 1 else batch.next_ids[last, :steps - 1]
+        seen = mla_chain(self.model, batch.aux, batch.input_ids, batch.positions, lengths, next_ids, steps)
+        trace_steps, rows = [], []
+        for k, at in enumerate(seen):
+            # As the worker after a draft pass with topk 1 on a CPU host: the argmax of the last tokens' logits.
+            draft_ids = torch.argmax(at["logits"], dim=-1)
+            trace_steps.append({**at, "draft_ids": draft_ids, "target_ids": self.target_ids(draft_ids)})
+            rows.append({name: last for name in trace_steps[-1]} if k else
+                        {"logits": last, "draft_ids": last, "target_ids": last})
+        notes = [f"attention backend {ATTENTION_BACKEND}",
+                 "step 0: DECODE of each request's first token, EXTEND of the rest over it; steps >= 1: DECODE on "
+                 "each request's last token (mla_chain)",
+                 "config via sglang get_config; weights via Eagle3DeepseekV2ForCausalLM.load_weights",
+                 "stages compared: " + ", ".join(sorted(CLAIMED)) + " (the rest of the layer is not claimed)"]
+        return Trace(impl="sglang", dtype=self.dtype, steps=trace_steps, rows=rows, notes=notes,
+                     claimed_stages=CLAIMED, num_layers=1)
 
 
 def account(directory, accounting):

@@ -15,7 +15,7 @@ keeps every tensor bit-exact and every knob.
 | nemo          | the target's LlamaConfig, architectures LlamaEagle3DraftModel | model.*, one shard + index |
 |               | (MLA drafts: the target's DeepseekV3Config, same architectures) |                           |
 | nemo-sglang   | nemo's, architectures renamed by NeMo's serve_sglang (read only) | model.*, fewer layers than stated |
-| sglang-mla    | flat MLA draft, architectures Eagle3DeepseekV2ForCausalLM (read only) | layers.0.* or midlayer.* |
+| sglang-mla    | flat MLA draft, architectures Eagle3DeepseekV2ForCausalLM (MLA only) | layers.0.*, midlayer.* |
 """
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def parse_config(raw: dict, file: Path, fmt: str | None = None, tensor_names: li
 # MLA drafts (draft_arch "mla"): not written by these formats, each with why (speculators' is written with a
 # DeepseekV3Config layer, the reference's own reading; the speculators adapter skips it).
 NO_MLA = {
-    sglang.NAME: "SGLang's MLA draft config (Eagle3DeepseekV2ForCausalLM, sglang/srt/models/kimi_k25_eagle3.py:315) "
-                 "is not written by the suite's sglang writer yet",
+    sglang.NAME: "LlamaForCausalLMEagle3 has a Llama layer (models/llama_eagle3.py:272, 387); SGLang's MLA draft is "
+                 "its own class and format, sglang-mla (Eagle3DeepseekV2ForCausalLM, models/kimi_k25_eagle3.py:315)",
     sglang_legacy.NAME: "SGLang's legacy layout is LlamaForCausalLMEagle3's (models/llama_eagle3.py:337-343)",
 }
 

@@ -1,4 +1,4 @@
-"""SGLang's MLA EAGLE-3 draft format (read only): the flat config TorchSpec exports for the drafts Kimi-K2.5/K2.6 are
+"""SGLang's MLA EAGLE-3 draft format: the flat config TorchSpec exports for the drafts Kimi-K2.5/K2.6 are
 served with (`lightseekorg/kimi-k2.5-eagle3-mla`, fixtures/data/real-configs/mla/), `architectures:
 [Eagle3DeepseekV2ForCausalLM]`, SGLang's class for it (sglang/srt/models/kimi_k25_eagle3.py, its EntryClass).
 
@@ -6,15 +6,18 @@ The decoder layer is DeepSeek's latent attention, stated by a DeepSeek model_typ
 its MLA widths (kv_lora_rank, ...), read as transformers' DeepseekV3Config names them (knobs.layer_knobs); aux
 ids in `eagle_config` in SGLang's convention, as every flat format. The tensors come in either of TorchSpec's
 export layouts (tools/convert_to_hf.py: `layers.0.*` with `--vllm`, `midlayer.*` without); both are read under the
-canonical names (schema.to_canonical). The suite never writes this format: the reference and NeMo read MLA drafts
-from their own formats, and SGLang is checked on the user's directory itself (conformance/user/mla.py).
+canonical names (schema.to_canonical). The suite writes it for its MLA cases (config_json): the published config's
+keys, `layers.0.*` names, every knob SGLang never reads written anyway, so a round trip keeps it.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from conformance.checkpoints.errors import ConversionError
+from conformance.checkpoints.formats import sglang
 from conformance.checkpoints.formats.flat import parse_flat
 from conformance.checkpoints.knobs import MLA_MODEL_TYPES, ParsedConfig
+from reference.eagle3 import Eagle3Config
 
 NAME = "sglang-mla"
 ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
@@ -34,3 +37,22 @@ def parse(raw: dict, file: Path) -> ParsedConfig:
 
 def stored_name(name: str) -> str:
     return name
+
+
+def config_json(cfg: Eagle3Config) -> dict:
+    """config.json as TorchSpec exports an MLA draft (fixtures/data/real-configs/mla/): SGLang's flat keys, the
+    class and model_type of the published draft, DeepseekV3Config's MLA widths. DeepseekV3Config has no GQA and no
+    head_dim of its own (head_dim is the rope slice, knobs.layer_knobs), so neither is written."""
+    if cfg.draft_arch != "mla":
+        raise ConversionError(f"{NAME} format cannot express draft_arch={cfg.draft_arch!r}: {ARCHITECTURE} is "
+                              "an MLA draft (models/kimi_k25_eagle3.py:315)")
+    out = sglang.config_json(cfg)
+    for key in ("head_dim", "num_key_value_heads"):
+        del out[key]
+    out.update(architectures=[ARCHITECTURE], model_type="kimi_k2", num_key_value_heads=cfg.num_attention_heads,
+               # null, not absent: an absent q_lora_rank reads as DeepseekV3Config's default, 1536, in SGLang
+               q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+               qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+               # SGLang's MLA never reads it (written for round trips)
+               rope_interleave=cfg.rope_interleave)
+    return out
