@@ -358,25 +358,27 @@ PLANTED_MLA = {
 }
 
 
+def prepare_patch(edit: str) -> str:
+    """A source_patcher config applying one PLANTED_MLA edit to forward_absorb_prepare."""
+    return f"""
+patches:
+  - target: {MLA_PREPARE}
+    edits:
+      - match: |{edit}"""
+
+
 @pytest.mark.meta
 @pytest.mark.parametrize("plant", list(PLANTED_MLA))
 @pytest.mark.parametrize("dtype_name", sorted(DTYPES))
 def test_a_planted_mla_fault_fails_at_its_stage(dtype_name, plant, tmp_path, patched_sglang):
     stage, edit = PLANTED_MLA[plant]
-    patched_sglang(f"""
-patches:
-  - target: {MLA_PREPARE}
-    edits:
-      - match: |{edit}""")
+    patched_sglang(prepare_patch(edit))
     bad = first_failed(attention_results(tmp_path, 3, DTYPES[dtype_name]))
     assert bad is not None and bad.stage == stage, f"planted {plant}: first divergence {bad and bad.stage}"
 
 
-@pytest.mark.meta
-def test_a_decode_only_fault_fails_at_step_1(tmp_path, patched_sglang):
-    """Planted in SGLang's torch_native DECODE: the softmax scale doubled. Step 0's first-token DECODE attends to one
-    key (a softmax of one is 1 whatever the scale), so the first divergence is step 1's attention output."""
-    patched_sglang("""
+# Planted in SGLang's torch_native DECODE: the softmax scale doubled.
+DECODE_SCALE_DOUBLED = """
 patches:
   - target: sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode
     edits:
@@ -384,7 +386,14 @@ patches:
           scaling=layer.scaling,
         replacement: |
           scaling=layer.scaling * 2,
-""")
+"""
+
+
+@pytest.mark.meta
+def test_a_decode_only_fault_fails_at_step_1(tmp_path, patched_sglang):
+    """Planted in SGLang's torch_native DECODE: the softmax scale doubled. Step 0's first-token DECODE attends to one
+    key (a softmax of one is 1 whatever the scale), so the first divergence is step 1's attention output."""
+    patched_sglang(DECODE_SCALE_DOUBLED)
     bad = first_failed(attention_results(tmp_path, 3, F32, steps=3))
     assert bad is not None and (bad.step, bad.stage) == (1, "layers.0.attn_out"), \
         f"first divergence {bad and (bad.step, bad.stage)}"
@@ -435,11 +444,7 @@ def test_the_mla_trace_has_every_stage_it_claims(drafts):
 @pytest.mark.parametrize("plant", list(PLANTED_MLA))
 def test_the_matrix_names_a_planted_mla_fault_at_its_stage(plant, drafts, patched_sglang):
     stage, edit = PLANTED_MLA[plant]
-    patched_sglang(f"""
-patches:
-  - target: {MLA_PREPARE}
-    edits:
-      - match: |{edit}""")
+    patched_sglang(prepare_patch(edit))
     assert_first_divergence(matrix_comparison(drafts, "mla_q_lora"), 0, stage)
 
 
@@ -478,15 +483,7 @@ def test_the_matrix_sees_the_rope_order_sglang_reads(drafts, tmp_path):
 def test_the_matrix_names_a_decode_only_fault_at_step_1(drafts, patched_sglang):
     """The teacher-forced column's later steps are SGLang's DECODE passes: its softmax scale doubled there shows at
     step 1's attention output (step 0's first-token DECODE attends to one key, where any scale gives 1)."""
-    patched_sglang("""
-patches:
-  - target: sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode
-    edits:
-      - match: |
-          scaling=layer.scaling,
-        replacement: |
-          scaling=layer.scaling * 2,
-""")
+    patched_sglang(DECODE_SCALE_DOUBLED)
     assert_first_divergence(matrix_comparison(drafts, "ms_mla_q_lora", steps=3), 1, "layers.0.attn_out")
 
 
