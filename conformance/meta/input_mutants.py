@@ -78,7 +78,8 @@ def write_bases(root: Path) -> list[Base]:
                                                    cfg.target_hidden_size, generator=g) for s in samples])
     (first / TARGET).write_text(json.dumps(TARGET_CONFIG))
     dirs = {"sglang": first}
-    for fmt in [other_fmt for other_fmt in WRITABLE if other_fmt != "sglang"] + ["eagle", "sharded"]:
+    # sglang-mla writes SGLang's MLA draft class only, which this Llama base is not (its writer refuses it by name)
+    for fmt in [f for f in WRITABLE if f not in ("sglang", "sglang-mla")] + ["eagle", "sharded"]:
         out = root / fmt
         shutil.copytree(first, out, ignore=shutil.ignore_patterns("draft"))
         if fmt == "eagle":   # SpecForge's names and config, as the original trainer's LlamaForCausalLM
