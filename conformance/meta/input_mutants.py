@@ -30,7 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conformance.checkpoints import INDEX_FILE, WEIGHTS_FILE, write_draft
-from conformance.checkpoints.formats import WRITABLE
+from conformance.checkpoints.errors import ConversionError
+from conformance.checkpoints.formats import WRITABLE, config_json
 from conformance.checkpoints.hidden_states import write_dump
 from conformance.checkpoints.training_data import load_samples, make_samples, write_samples
 from conformance.user.example_draft import EXAMPLE_CONFIG, LENGTHS, PROMPTS, SEED
@@ -78,8 +79,9 @@ def write_bases(root: Path) -> list[Base]:
                                                    cfg.target_hidden_size, generator=g) for s in samples])
     (first / TARGET).write_text(json.dumps(TARGET_CONFIG))
     dirs = {"sglang": first}
-    # sglang-mla writes SGLang's MLA draft class only, which this Llama base is not (its writer refuses it by name)
-    for fmt in [f for f in WRITABLE if f not in ("sglang", "sglang-mla")] + ["eagle", "sharded"]:
+    # A format whose writer refuses this Llama base by name (sglang-mla: SGLang's MLA draft class only) has no base here
+    for fmt in [other_fmt for other_fmt in WRITABLE if other_fmt != "sglang" and expresses(cfg, other_fmt)] + [
+            "eagle", "sharded"]:
         out = root / fmt
         shutil.copytree(first, out, ignore=shutil.ignore_patterns("draft"))
         if fmt == "eagle":   # SpecForge's names and config, as the original trainer's LlamaForCausalLM
@@ -92,6 +94,14 @@ def write_bases(root: Path) -> list[Base]:
             write_draft(cfg, weights, out / "draft", fmt, drop_embed=fmt == "specforge")
         dirs[fmt] = out
     return [describe(name, path) for name, path in dirs.items()]
+
+
+def expresses(cfg, fmt: str) -> bool:
+    try:
+        config_json(cfg, fmt)
+    except ConversionError:
+        return False
+    return True
 
 
 def shard(src: Path, out: Path) -> None:
