@@ -41,9 +41,10 @@ def exact(step: int, stage: str, actual: torch.Tensor, expected: torch.Tensor) -
 
 
 def served_trace(served: ServedRound, last_row: int, num_layers: int, chain: bool,
-                 impl: str = IMPL, dtype: torch.dtype = torch.float32) -> tuple[Trace, list]:
-    """The served round as a Trace on the reference's rows (`dtype`: what the engine served in), and its
-    positions per step."""
+                 impl: str = IMPL, dtype: torch.dtype = torch.float32,
+                 claimed: frozenset[str] = CLAIMED) -> tuple[Trace, list]:
+    """The served round as a Trace on the reference's rows (`dtype`: what the engine served in; `claimed`: the
+    stages the engine's capture has of this draft, the engine's claimed_stages), and its positions per step."""
     n = sum(len(p.positions) for p in served.extend)
     rows0 = torch.arange(last_row + 1 - n, last_row + 1)
     cuts = torch.tensor([0] + [len(p.positions) for p in served.extend]).cumsum(0).tolist()
@@ -65,20 +66,21 @@ def served_trace(served: ServedRound, last_row: int, num_layers: int, chain: boo
         for k, token in enumerate(served.tree["draft_tokens"].flatten()[:len(steps)]):
             steps[k]["target_ids"], all_rows[k]["target_ids"] = token[None], torch.tensor([last_row])
     # A tree's drafted ids are its candidates (compared as the tree after the last step), not one per step.
-    claimed = CLAIMED if chain else CLAIMED - {"target_ids"}
+    claimed = claimed if chain else claimed - {"target_ids"}
     trace = Trace(impl=impl, dtype=dtype, steps=steps, rows=all_rows, claimed_stages=claimed,
                   num_layers=num_layers)
     return trace, positions
 
 
 def compare_round(served: ServedRound, ref: ReferenceRound, case_id: str, chain: bool = True,
-                  impl: str = IMPL, dtype: torch.dtype = torch.float32, same: Trace | None = None) -> Comparison:
+                  impl: str = IMPL, dtype: torch.dtype = torch.float32, same: Trace | None = None,
+                  claimed: frozenset[str] = CLAIMED) -> Comparison:
     """Positions, then every canonical stage of every step, then (chains) the accepted drafts. `impl`: the
     served side's name in the message (the engine that served it). An engine serving another dtype than fp32
     (`dtype`) is compared under that dtype's error model (core/tolerances.py): `ref.trace` is then the fp64
     reference and `same` the reference in `dtype`, on the same inputs."""
     layers = ref.trace.num_layers
-    trace, positions = served_trace(served, ref.last_row, layers, chain, impl, dtype)
+    trace, positions = served_trace(served, ref.last_row, layers, chain, impl, dtype, claimed)
     steps = min(len(trace.steps), len(ref.trace.steps))
     precise = ref.trace if ref.trace.dtype == torch.float64 else None
     cmp = compare_traces(trace, ref.trace, case_id, steps=steps, precise=precise, same=same)
@@ -97,10 +99,11 @@ def compare_round(served: ServedRound, ref: ReferenceRound, case_id: str, chain:
 
 
 def first_divergent_round(served: list[ServedRound], reference: list[ReferenceRound], case_id: str,
-                          chain: bool = True, impl: str = IMPL) -> tuple[int, Comparison | None]:
+                          chain: bool = True, impl: str = IMPL,
+                          claimed: frozenset[str] = CLAIMED) -> tuple[int, Comparison | None]:
     """The first round whose comparison fails (later rounds start from other contexts), or (rounds, None)."""
     for r, (s, ref) in enumerate(zip(served, reference)):
-        cmp = compare_round(s, ref, f"{case_id}, round {r}", chain, impl)
+        cmp = compare_round(s, ref, f"{case_id}, round {r}", chain, impl, claimed=claimed)
         if cmp.first_divergence is not None:
             return r, cmp
     return min(len(served), len(reference)), None

@@ -59,6 +59,17 @@ def engine_lane_for(engine_lane, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mla_engine_lane(tmp_path_factory):
+    """The engine lane serving the NeMo-trained MLA draft for its tiny DeepSeek-V3 target (scenarios.MLA_GROUPS; its recipe trained_draft.MLA_RECIPE)."""
+    from conformance.acceptance.trained_draft import MLA_RECIPE, trained_draft
+    from conformance.engine.lane import EngineLane
+
+    lane = EngineLane(trained_draft(MLA_RECIPE), tmp_path_factory.mktemp("engine-mla"))
+    yield lane
+    lane.close()
+
+
+@pytest.fixture(scope="session")
 def served_lanes(tmp_path_factory):
     """The engine lanes of servers in environments of their own (conformance/engine/served_lane.py): one per engine
     module, each group served once per session."""

@@ -82,3 +82,26 @@ patches:
           raise RuntimeError("planted crash in verify")
 """
 CRASH = _group("crash_in_verify", fault_yaml=CRASH_IN_VERIFY)
+
+
+# The MLA draft's layer normalises the recurrent hidden before its attention (kimi_k25_eagle3.py:160); a draft-only
+# fault (the DeepSeek target shares DeepseekV2AttentionMLA and its forward_mla code with the draft, so a fault planted
+# there would move the target's verify too).
+MLA_HIDDEN_NORM_SKIPPED = """
+patches:
+  - target: sglang.srt.models.kimi_k25_eagle3.Eagle3MLADecoderLayer.forward
+    edits:
+      - match: |
+          hidden_states = self.hidden_norm(hidden_states)
+        replacement: |
+          hidden_states = hidden_states
+"""
+MLA_FAULT_PROMPT = Prompt(4, 3)   # a request the MLA lane serves unfaulted too (mla_batch)
+MLA_FAULTS = (
+    PlantedFault("mla_hidden_norm_skipped", "SGLang's MLA draft layer feeds its attention the recurrent hidden "
+                 "without hidden_norm (Eagle3MLADecoderLayer.forward)",
+                 EngineGroup("mla_hidden_norm_skipped", steps=3, topk=1, draft_tokens=4, scenarios=(
+                     Scenario("mla_hidden_norm_skipped", "planted fault mla_hidden_norm_skipped",
+                              ((MLA_FAULT_PROMPT,),), new_tokens=8),), fault_yaml=MLA_HIDDEN_NORM_SKIPPED),
+                 0, 0, "attn_in"),
+)

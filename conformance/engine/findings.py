@@ -91,7 +91,7 @@ def _findings(lane: EngineLane, run: GroupRun, scenario: ScenarioRun, attends: A
         case_id = f"{scenario.scenario.id}, request {i} (seq {request.prompt.seq}, {request.prompt.length} tokens)"
         if group.chain:
             reference = lane.chain(request.prompt, group.steps, new)
-            r, cmp = first_divergent_round(request.rounds, reference, case_id)
+            r, cmp = first_divergent_round(request.rounds, reference, case_id, claimed=lane.claimed)
         else:
             ndt = run.resolved.get("speculative_num_draft_tokens") or group.draft_tokens
             reference = lane.tree(group, request.prompt, ndt, new, attends)

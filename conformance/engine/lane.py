@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from conformance.adapters import ADAPTERS, DEFAULT_SERVER, DEFAULT_TRAINER, REFERENCE
+from conformance.engine.check import CLAIMED
 from conformance.engine.scenarios import EngineGroup, Prompt, Scenario
 from conformance.engine.served import ServedRound, gathered_rounds, served_rounds
 from conformance.engine.simulate import ReferenceRound, chain_rounds, tree_rounds
@@ -111,8 +112,20 @@ class EngineLane:
 
     def start_engine(self, group: EngineGroup, capture: Path) -> ENGINE.ServedEngine:
         """The group's engine, started (this host's: SGLang's Engine on CPU with its shims)."""
-        return ENGINE.ServedEngine(self.trained.target_dir, self.trained.checkpoints["sglang"], capture,
+        return ENGINE.ServedEngine(self.trained.target_dir, self.served_checkpoint, capture,
                                    group.server_args(), env=group.env, fault_yaml=group.fault_yaml)
+
+    @property
+    def claimed(self) -> frozenset[str]:
+        """The stages the engine's capture has of this draft (the Llama draft's every canonical stage; an MLA
+        draft's its own)."""
+        return ENGINE.claimed_stages(self.trained.config) or CLAIMED
+
+    @property
+    def served_checkpoint(self) -> Path:
+        """The draft directory the server loads: the trained draft in the server's format for it (SGLang's own; an
+        MLA draft in sglang-mla, Eagle3DeepseekV2ForCausalLM's)."""
+        return self.trained.checkpoints[ADAPTERS[DEFAULT_SERVER]().format_for(self.trained.config)]
 
     # ------------------------------------------------------------ the other side
 

@@ -129,4 +129,12 @@ BF16_GROUPS = (
 # The scenario at the same prompts and flags in the default configuration (TP 1, page size 1): every round's
 # drafted tokens must be identical.
 TWINS = {"batch_tp2": "batch", "batch_page16": "batch"}
-SCENARIOS = {s.id: (g, s) for g in GROUPS + FULL_GROUPS + BF16_GROUPS for s in g.scenarios}
+# An MLA draft (DeepSeek's latent attention, the layout Kimi-K2.5/K2.6 drafts are served with) for a tiny DeepSeek-V3
+# target, trained by NeMo Automodel's own training code (acceptance/trained_draft.py MLA_RECIPE), served by
+# SGLang's Eagle3DeepseekV2ForCausalLM: two requests in one batch, a chain of 3.
+MLA_GROUPS = (
+    EngineGroup("mla_chain_k3", steps=3, topk=1, draft_tokens=4, scenarios=(
+        Scenario("mla_batch", "an MLA draft (NeMo-trained) for a DeepSeek-V3 target: requests of 3 and 6 tokens in "
+                 "one batch, chain of 3", ((Prompt(4, 3), Prompt(5, 6)),), new_tokens=12),)),
+)
+SCENARIOS = {s.id: (g, s) for g in GROUPS + FULL_GROUPS + BF16_GROUPS + MLA_GROUPS for s in g.scenarios}

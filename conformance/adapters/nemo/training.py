@@ -67,9 +67,11 @@ def draft_vocabulary(train_ids: torch.Tensor, recipe, vocab_size: int) -> tuple[
 
 def make_draft_model(recipe, target_dir: Path, target, selected: torch.Tensor):
     """The draft as the recipe's setup builds it (train_eagle3.py:610-680): the target's config with the draft
-    keys, LlamaEagle3DraftModel, embeddings copied from the target and frozen, d2t/t2d from the vocabulary."""
-    from nemo_automodel.components.speculative.eagle.draft_llama import LlamaEagle3DraftModel
+    keys, the draft class NeMo's registry gives the target (LlamaEagle3DraftModel; DeepseekV3Eagle3DraftModel, MLA,
+    for a DeepSeek-V3 target), embeddings copied from the target and frozen, d2t/t2d from the vocabulary."""
     from transformers import AutoConfig
+
+    from conformance.adapters.nemo.checkpoint import draft_class
 
     base = AutoConfig.from_pretrained(target_dir, local_files_only=True)
     raw = base.to_dict()
@@ -78,7 +80,7 @@ def make_draft_model(recipe, target_dir: Path, target, selected: torch.Tensor):
                fc_norm=False, norm_output=False, parallel_drafting=False)
     with torch.random.fork_rng():   # HF initialises from the global generator; forked, restored
         torch.manual_seed(recipe.train_seed)
-        model = LlamaEagle3DraftModel(type(base).from_dict(raw)).to(torch.float32)
+        model = draft_class(raw)(type(base).from_dict(raw)).to(torch.float32)
     model.copy_embeddings_from_target(target.model.get_input_embeddings())
     model.set_vocab_mapping(selected)
     model.freeze_embeddings()

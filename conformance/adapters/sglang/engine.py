@@ -42,6 +42,14 @@ RESOLVED_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculati
                    "max_total_num_tokens")   # the KV pool's tokens, as the scheduler sized it (get_init_info)
 
 
+def claimed_stages(cfg) -> frozenset[str] | None:
+    """The stages the scheduler's capture records of a served draft of `cfg` (engine_shims.Capture) when they are not
+    the engine lane's default (every canonical stage but draft_ids: the Llama draft's): the MLA draft's own."""
+    from conformance.adapters.sglang.engine_mla import ENGINE_CLAIMED
+
+    return ENGINE_CLAIMED if cfg.draft_arch == "mla" else None
+
+
 def tp_environment(tp_size: int) -> dict[str, str]:
     """What SGLang's CPU tensor parallelism needs on this host, in its own variables (none at TP 1).
 

@@ -50,6 +50,11 @@ SHIMS = {
         "converted first), so every bf16 attention kernel returns garbage (max error ~2e10 on a 16x16 product; "
         "an fp32 engine is unaffected). The operands are widened to the fp32 values they hold first: a bf16 "
         "product accumulated in the accumulator's fp32, what a GPU's bf16 dot computes"),
+    "sglang.srt.models.kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM.set_embed": (
+        "the MLA draft's set_embed and set_embed_and_head (kimi_k25_eagle3.py:404-423, called when the worker shares "
+        "the target's embedding, eagle_worker_v2.py:363) end in torch.cuda.empty_cache() and torch.cuda.synchronize(), "
+        "which fail on a host without a CUDA driver; the Llama draft's (llama.py:895-925) call SGLang's "
+        "current_platform's instead, and so do these while the shim runs: the same weights shared, no CUDA call"),
     "torch.compiler.set_stance": (
         "process-wide force_eager: SGLang's torch.compile'd helpers (spec_utils.py:437, layers/sampler.py:933) run "
         "their Python bodies eagerly instead of an inductor C++ build"),
@@ -75,6 +80,7 @@ def apply_shims() -> dict[str, str]:
         before, module._is_xpu = module._is_xpu, True
         done[name] = f"{before} -> True" + ("" if module.__name__ in name else f" (in {module.__name__})")
     done["triton.runtime.interpreter.InterpreterBuilder.create_dot"] = widen_bf16_dot_operands()
+    done["sglang.srt.models.kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM.set_embed"] = platform_calls_in_mla_set_embed()
     torch.compiler.set_stance("force_eager")
     done["torch.compiler.set_stance"] = "default -> force_eager"
     return done
@@ -103,6 +109,32 @@ def widen_bf16_dot_operands() -> str:
     create_dot.widens_bf16 = True
     builder.create_dot = create_dot
     return "raw bf16 bits multiplied -> bf16 operands widened to their fp32 values"
+
+
+def platform_calls_in_mla_set_embed() -> str:
+    """The MLA draft's embedding hand-over calls SGLang's current_platform where it calls torch.cuda (SHIMS says
+    why); nothing changes on a host with CUDA."""
+    import unittest.mock
+
+    from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
+    from sglang.srt.platforms import current_platform
+
+    if torch.cuda.is_available():
+        return "CUDA present: unchanged"
+    for name in ("set_embed", "set_embed_and_head"):
+        original = getattr(Eagle3DeepseekV2ForCausalLM, name)
+        if getattr(original, "platform_calls", False):
+            return "torch.cuda calls -> current_platform's (already)"
+
+        @functools.wraps(original)
+        def on_platform(self, *args, _original=original, **kwargs):
+            with unittest.mock.patch.object(torch.cuda, "synchronize", current_platform.synchronize), \
+                    unittest.mock.patch.object(torch.cuda, "empty_cache", current_platform.empty_cache):
+                return _original(self, *args, **kwargs)
+
+        on_platform.platform_calls = True
+        setattr(Eagle3DeepseekV2ForCausalLM, name, on_platform)
+    return "torch.cuda.empty_cache/synchronize -> current_platform's"
 
 
 def run_scheduler_process(*args, capture_dir: str | None = None, fault_yaml: str | None = None, **kwargs):
@@ -158,6 +190,7 @@ class Capture:
         CUDA runner the draft's decode passes replay a CUDA graph, which runs no Python of the model, and a
         device-to-host copy inside a graph being captured is an error; the tokens are read outside any graph
         (eagle_worker_v2.py:693-729: draft() calls build_eagle_verify_input after the graph's replay)."""
+        from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
         from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
         from sglang.srt.speculative import eagle_worker_v2
         from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
@@ -168,7 +201,6 @@ class Capture:
         # The draft's result of a round, as draft() hands it to verification: the module-level name
         # draft() calls. (Not draft_forward itself: SGLang's own fault switches rewrite its source.)
         build_verify_input = eagle_worker_v2.build_eagle_verify_input
-        model_forward = LlamaForCausalLMEagle3.forward
 
         @functools.wraps(generation)
         def forward_batch_generation(worker, batch, *args, **kwargs):
@@ -188,24 +220,26 @@ class Capture:
             return build_verify_input(batch, draft_input, parent_list, top_scores_index, draft_tokens,
                                       *args, **kwargs)
 
-        @functools.wraps(model_forward)
-        def model_forward_recorded(model, input_ids, positions, forward_batch, *args, **kwargs):
-            served = capture.served(model)
-            served.recorder.take()
-            spec_hidden = forward_batch.spec_info.hidden_states.clone()
-            ids, pos = input_ids.clone(), positions.clone()
-            out = model_forward(model, input_ids, positions, forward_batch, *args, **kwargs)
-            mode = forward_batch.forward_mode
-            # Extend passes (prefill chunks, and the draft extend after verify) are fed the target's aux states.
-            aux_in = mode.is_extend(include_draft_extend_v2=True)
-            stages = canonical_stages(served, served.recorder.take(), spec_hidden, ids, out, aux_in=aux_in)
-            layout = {"positions": pos, "seq_lens": forward_batch.seq_lens,
-                      "extend_seq_lens": forward_batch.extend_seq_lens,
-                      "extend_prefix_lens": forward_batch.extend_prefix_lens,
-                      "req_pool_indices": forward_batch.req_pool_indices}
-            capture.write("draft pass", {**{f"stage:{k}": v for k, v in stages.items()}, **layout},
-                          mode=mode.name, batch_size=forward_batch.batch_size)
-            return out
+        def recorded(model_forward):
+            @functools.wraps(model_forward)
+            def model_forward_recorded(model, input_ids, positions, forward_batch, *args, **kwargs):
+                served = capture.served(model)
+                served.begin()
+                spec_hidden = forward_batch.spec_info.hidden_states.clone()
+                ids, pos = input_ids.clone(), positions.clone()
+                out = model_forward(model, input_ids, positions, forward_batch, *args, **kwargs)
+                mode = forward_batch.forward_mode
+                # Extend passes (prefill chunks, and the draft extend after verify) are fed the target's aux states.
+                aux_in = mode.is_extend(include_draft_extend_v2=True)
+                stages = served.stages(spec_hidden, ids, out, aux_in, forward_batch)
+                layout = {"positions": pos, "seq_lens": forward_batch.seq_lens,
+                          "extend_seq_lens": forward_batch.extend_seq_lens,
+                          "extend_prefix_lens": forward_batch.extend_prefix_lens,
+                          "req_pool_indices": forward_batch.req_pool_indices}
+                capture.write("draft pass", {**{f"stage:{k}": v for k, v in stages.items()}, **layout},
+                              mode=mode.name, batch_size=forward_batch.batch_size)
+                return out
+            return model_forward_recorded
 
         # Which speculative worker class the scheduler builds (scheduler.py:1063 -> spec_info.py create_worker:
         # EAGLEWorkerV2, MultiLayerEagleWorkerV2, ...), for the report; the class is returned as it is.
@@ -221,12 +255,17 @@ class Capture:
         SpeculativeAlgorithm.create_worker = create_worker_observed
         EAGLEWorkerV2.forward_batch_generation = forward_batch_generation
         eagle_worker_v2.build_eagle_verify_input = build_verify_input_recorded
-        if passes:
-            LlamaForCausalLMEagle3.forward = model_forward_recorded
+        if passes:   # the Llama draft and the MLA draft (engine_mla.py)
+            for draft_class in (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM):
+                draft_class.forward = recorded(draft_class.forward)
 
-    def served(self, model) -> "ServedDraft":
+    def served(self, model):
+        """The served draft's recorder: ServedDraft (Llama layers), engine_mla.ServedMLADraft (MLA)."""
+        from conformance.adapters.sglang.engine_mla import ServedMLADraft
+
         if id(model) not in self.drafts:
-            self.drafts[id(model)] = ServedDraft(model)
+            mla = hasattr(model.model, "midlayer") and hasattr(model.model.midlayer.self_attn, "kv_lora_rank")
+            self.drafts[id(model)] = (ServedMLADraft if mla else ServedDraft)(model)
         return self.drafts[id(model)]
 
 
@@ -239,3 +278,9 @@ class ServedDraft:
         self.recorder = Recorder(model)
         attn0 = model.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+
+    def begin(self) -> None:
+        self.recorder.take()
+
+    def stages(self, spec_hidden: torch.Tensor, input_ids: torch.Tensor, out, aux_in: bool, forward_batch) -> dict:
+        return canonical_stages(self, self.recorder.take(), spec_hidden, input_ids, out, aux_in=aux_in)

@@ -1,0 +1,99 @@
+"""The engine lane on an MLA draft: SGLang's real `Engine` serving a tiny DeepSeek-V3 target with an EAGLE-3 draft whose
+attention is DeepSeek's multi-head latent attention (the layout Kimi-K2.5/K2.6 drafts are served with), trained by NeMo
+Automodel's own training code (trained_draft.MLA_RECIPE) and loaded by SGLang's Eagle3DeepseekV2ForCausalLM from the
+sglang-mla layout. Held to the reference exactly, as the Llama draft is (test_engine.py): lossless outputs, SGLang's
+measured acceptance equal to the reference's simulation, and every round stage by stage over the stages SGLang's MLA
+draft has (adapters/sglang/engine_mla.py). A fault planted in SGLang's MLA draft layer must fail the lane at its round
+and stage.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conformance.adapters.sglang.engine_mla import ENGINE_CLAIMED
+from conformance.core.sections import Section
+from conformance.engine.faults import MLA_FAULT_PROMPT, MLA_FAULTS
+from conformance.engine.findings import lane_failures, scenario_findings
+from conformance.engine.lane import ENGINE
+from conformance.engine.reporting import fault_row, record_group, record_request, served_scenario as served
+from conformance.engine.scenarios import MLA_GROUPS
+
+pytestmark = pytest.mark.engine
+
+ALL = [pytest.param(g, s, id=s.id) for g in MLA_GROUPS for s in g.scenarios]
+
+
+@pytest.mark.parametrize("group,scenario", ALL)
+def test_mla_outputs_are_the_targets_greedy_continuation(group, scenario, mla_engine_lane, report, repro):
+    _, _, findings = served(mla_engine_lane, group, scenario, report)
+    failures = [m for f in findings if (m := f.lossless_failure())]
+    assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
+
+
+@pytest.mark.parametrize("group,scenario", ALL)
+def test_mla_accept_accounting_equals_reference(group, scenario, mla_engine_lane, report, repro):
+    _, _, findings = served(mla_engine_lane, group, scenario, report)
+    for f in findings:
+        record_request(report, scenario.id, f, scenario.new_tokens)
+    failures = [m for f in findings if (m := f.acceptance_failure(scenario.new_tokens))]
+    assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
+
+
+@pytest.mark.parametrize("group,scenario", ALL)
+def test_mla_served_rounds_equal_reference_stage_by_stage(group, scenario, mla_engine_lane, report, repro):
+    _, _, findings = served(mla_engine_lane, group, scenario, report)
+    failures = [m for f in findings if (m := f.rounds_failure(repro))]
+    assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("group,scenario", ALL)
+def test_every_mla_stage_is_captured(group, scenario, mla_engine_lane, report):
+    """The capture saw every stage SGLang's MLA draft has, at the passes that compute it, and nothing else: a hook
+    that stopped firing would leave a stage out of the comparison without failing it."""
+    _, scenario_run, _ = served(mla_engine_lane, group, scenario, report)
+    # step 0 is fed the target's aux states and runs fc (after fc_norm, when the draft has one); a decode pass is fed
+    # the hidden and skips fc; target_ids come from what draft() hands to verification, not from a pass
+    at_step0 = ENGINE_CLAIMED - {"hidden_in", "target_ids"} - (set() if mla_engine_lane.trained.config.fc_norm
+                                                               else {"fc_in_norm"})
+    at_decode = ENGINE_CLAIMED - {"aux_in", "fc_in_norm", "fc_out", "target_ids"}
+    for request in scenario_run.requests:
+        assert request.rounds, f"{request.label}: no round captured"
+        first = request.rounds[0]
+        step0 = {name.rsplit(".", 1)[-1] for p in first.extend for name in (*p.rows, *p.selected)}
+        decode = {name.rsplit(".", 1)[-1] for p in first.decode for name in p.rows}
+        assert step0 == at_step0, f"{request.label}, step 0: captured but not claimed or the reverse: " \
+                                  f"{sorted(step0 ^ at_step0)}"
+        assert decode == at_decode, f"{request.label}, decode: {sorted(decode ^ at_decode)}"
+        assert first.decode and len(first.decode) == group.steps - 1, f"{request.label}: {len(first.decode)} decodes"
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("fault", MLA_FAULTS, ids=[f.id for f in MLA_FAULTS])
+def test_planted_mla_fault_fails_the_lane(fault, mla_engine_lane, report, repro):
+    group, scenario = MLA_GROUPS[0], MLA_GROUPS[0].scenarios[0]
+    _, _, findings = served(mla_engine_lane, group, scenario, report)
+    clean = next(f for f in findings if f.request.prompt == MLA_FAULT_PROMPT)
+    assert clean.divergence is None, f"without the fault the request already diverges:\n{clean.rounds_failure(repro)}"
+    run = mla_engine_lane.run(fault.group)
+    record_group(report, run, mla_engine_lane.recorded)
+    assert not run.error, run.error
+    failures = lane_failures(mla_engine_lane, run, repro)
+    (finding,) = scenario_findings(mla_engine_lane, run, next(iter(run.scenarios.values())))
+    first = None if finding.divergence is None else finding.divergence.first_divergence
+    report.add_row(Section.ENGINE_FAULTS, fault_row({
+        "server": f"{ENGINE.NAME} engine", "fault": fault.id, "how": fault.summary, "lane failures": len(failures),
+        "first divergence": "none" if first is None else
+        f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`",
+        "expected": f"round {fault.round}, step {fault.step} `{fault.stage}`",
+        "lossless": finding.lossless_failure() is None,
+        "accept length served/ref": f"{finding.served_stats['accept_length']:.4g}/"
+                                    f"{finding.reference_stats(fault.group.scenarios[0].new_tokens)['accept_length']:.4g}"}))
+    assert failures, f"{fault.id}: the engine lane passed with the fault planted ({fault.summary})"
+    assert first is not None, f"{fault.id}: no round diverged; the lane failed only on: {failures}"
+    got = (finding.conforming_rounds, first.step, first.stage.rsplit(".", 1)[-1])
+    assert got == (fault.round, fault.step, fault.stage), (
+        f"{fault.id}: first divergence at round {got[0]}, step {got[1]} '{got[2]}', expected round {fault.round}, "
+        f"step {fault.step} '{fault.stage}'\n{finding.divergence.message(repro)}")
+    message = finding.rounds_failure(repro)
+    assert f"round {fault.round}" in message and fault.stage in message, message
