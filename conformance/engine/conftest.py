@@ -60,7 +60,8 @@ def engine_lane_for(engine_lane, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def mla_engine_lane(tmp_path_factory):
-    """The engine lane serving the NeMo-trained MLA draft for its tiny DeepSeek-V3 target (scenarios.MLA_GROUPS; its recipe trained_draft.MLA_RECIPE)."""
+    """The engine lane serving the NeMo-trained MLA draft (trained_draft.MLA_RECIPE) for its tiny DeepSeek-V3 target
+    (scenarios.MLA_GROUPS)."""
     from conformance.acceptance.trained_draft import MLA_RECIPE, trained_draft
     from conformance.engine.lane import EngineLane
 

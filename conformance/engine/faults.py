@@ -103,5 +103,5 @@ MLA_FAULTS = (
                  EngineGroup("mla_hidden_norm_skipped", steps=3, topk=1, draft_tokens=4, scenarios=(
                      Scenario("mla_hidden_norm_skipped", "planted fault mla_hidden_norm_skipped",
                               ((MLA_FAULT_PROMPT,),), new_tokens=8),), fault_yaml=MLA_HIDDEN_NORM_SKIPPED),
-                 0, 0, "attn_in"),
+                 0, 0, "layers.0.attn_in"),
 )

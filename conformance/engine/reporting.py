@@ -166,3 +166,35 @@ def served_scenario(lane, group, scenario, report, findings=None):
         pytest.fail(run.error, pytrace=False)
     scenario_run = run.scenarios[scenario.id]
     return run, scenario_run, (findings or scenario_findings)(lane, run, scenario_run)
+
+
+def assert_planted_fault_named(lane, fault, clean: RequestFinding, report, repro: str) -> None:
+    """A planted serving fault (faults.PlantedFault) served by `lane`: its row in the report, then the lane must fail
+    with the first divergence at the fault's round, draft step and stage, while `clean` (the same request served
+    without the fault) conforms."""
+    from conformance.engine.findings import lane_failures
+
+    __tracebackhide__ = True
+    assert clean.divergence is None, f"without the fault the request already diverges:\n{clean.rounds_failure(repro)}"
+    run = lane.run(fault.group)
+    record_group(report, run, lane.recorded)
+    assert not run.error, run.error
+    failures = lane_failures(lane, run, repro)
+    (finding,) = scenario_findings(lane, run, next(iter(run.scenarios.values())))
+    first = None if finding.divergence is None else finding.divergence.first_divergence
+    report.add_row(Section.ENGINE_FAULTS, fault_row({
+        "server": f"{ENGINE.NAME} engine", "fault": fault.id, "how": fault.summary, "lane failures": len(failures),
+        "first divergence": "none" if first is None else
+        f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`",
+        "expected": f"round {fault.round}, step {fault.step} `{fault.stage}`",
+        "lossless": finding.lossless_failure() is None,
+        "accept length served/ref": f"{finding.served_stats['accept_length']:.4g}/"
+                                    f"{finding.reference_stats(fault.group.scenarios[0].new_tokens)['accept_length']:.4g}"}))
+    assert failures, f"{fault.id}: the engine lane passed with the fault planted ({fault.summary})"
+    assert first is not None, f"{fault.id}: no round diverged; the lane failed only on: {failures}"
+    got = (finding.conforming_rounds, first.step, first.stage)
+    assert got == (fault.round, fault.step, fault.stage), (
+        f"{fault.id}: first divergence at round {got[0]}, step {got[1]} '{got[2]}', expected round {fault.round}, "
+        f"step {fault.step} '{fault.stage}'\n{finding.divergence.message(repro)}")
+    message = finding.rounds_failure(repro)
+    assert f"round {fault.round}" in message and f"stage '{fault.stage}'" in message, message

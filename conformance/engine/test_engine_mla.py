@@ -11,11 +11,8 @@ from __future__ import annotations
 import pytest
 
 from conformance.adapters.sglang.engine_mla import ENGINE_CLAIMED
-from conformance.core.sections import Section
 from conformance.engine.faults import MLA_FAULT_PROMPT, MLA_FAULTS
-from conformance.engine.findings import lane_failures, scenario_findings
-from conformance.engine.lane import ENGINE
-from conformance.engine.reporting import fault_row, record_group, record_request, served_scenario as served
+from conformance.engine.reporting import assert_planted_fault_named, record_request, served_scenario as served
 from conformance.engine.scenarios import MLA_GROUPS
 
 pytestmark = pytest.mark.engine
@@ -74,26 +71,4 @@ def test_planted_mla_fault_fails_the_lane(fault, mla_engine_lane, report, repro)
     group, scenario = MLA_GROUPS[0], MLA_GROUPS[0].scenarios[0]
     _, _, findings = served(mla_engine_lane, group, scenario, report)
     clean = next(f for f in findings if f.request.prompt == MLA_FAULT_PROMPT)
-    assert clean.divergence is None, f"without the fault the request already diverges:\n{clean.rounds_failure(repro)}"
-    run = mla_engine_lane.run(fault.group)
-    record_group(report, run, mla_engine_lane.recorded)
-    assert not run.error, run.error
-    failures = lane_failures(mla_engine_lane, run, repro)
-    (finding,) = scenario_findings(mla_engine_lane, run, next(iter(run.scenarios.values())))
-    first = None if finding.divergence is None else finding.divergence.first_divergence
-    report.add_row(Section.ENGINE_FAULTS, fault_row({
-        "server": f"{ENGINE.NAME} engine", "fault": fault.id, "how": fault.summary, "lane failures": len(failures),
-        "first divergence": "none" if first is None else
-        f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`",
-        "expected": f"round {fault.round}, step {fault.step} `{fault.stage}`",
-        "lossless": finding.lossless_failure() is None,
-        "accept length served/ref": f"{finding.served_stats['accept_length']:.4g}/"
-                                    f"{finding.reference_stats(fault.group.scenarios[0].new_tokens)['accept_length']:.4g}"}))
-    assert failures, f"{fault.id}: the engine lane passed with the fault planted ({fault.summary})"
-    assert first is not None, f"{fault.id}: no round diverged; the lane failed only on: {failures}"
-    got = (finding.conforming_rounds, first.step, first.stage.rsplit(".", 1)[-1])
-    assert got == (fault.round, fault.step, fault.stage), (
-        f"{fault.id}: first divergence at round {got[0]}, step {got[1]} '{got[2]}', expected round {fault.round}, "
-        f"step {fault.step} '{fault.stage}'\n{finding.divergence.message(repro)}")
-    message = finding.rounds_failure(repro)
-    assert f"round {fault.round}" in message and fault.stage in message, message
+    assert_planted_fault_named(mla_engine_lane, fault, clean, report, repro)
