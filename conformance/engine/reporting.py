@@ -190,7 +190,15 @@ def assert_planted_fault_named(lane, fault, clean: RequestFinding, report, repro
         "lossless": finding.lossless_failure() is None,
         "accept length served/ref": f"{finding.served_stats['accept_length']:.4g}/"
                                     f"{finding.reference_stats(fault.group.scenarios[0].new_tokens)['accept_length']:.4g}"}))
-    assert failures, f"{fault.id}: the engine lane passed with the fault planted ({fault.summary})"
+    assert_fault_at_its_place(fault, finding, failures, repro, f"the {ENGINE.NAME} engine lane")
+
+
+def assert_fault_at_its_place(fault, finding, failures: list[str], repro: str, lane: str) -> None:
+    """`finding` (the faulted request's) and `failures` (its lane's) must show the planted fault: the lane fails, and
+    its first divergence is the fault's round, draft step and stage, named so in the message."""
+    __tracebackhide__ = True
+    first = None if finding.divergence is None else finding.divergence.first_divergence
+    assert failures, f"{fault.id}: {lane} passed with the fault planted ({fault.summary})"
     assert first is not None, f"{fault.id}: no round diverged; the lane failed only on: {failures}"
     got = (finding.conforming_rounds, first.step, first.stage)
     assert got == (fault.round, fault.step, fault.stage), (

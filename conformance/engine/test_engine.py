@@ -22,41 +22,50 @@ from conformance.engine.bridge import accept_rows, bridge_failures, other_traine
 from conformance.engine.check import compare_tree_round
 from conformance.engine.findings import drafter_failure
 from conformance.engine.reporting import served_scenario as served, record_accept_rows, record_group, record_request
-from conformance.engine.scenarios import GROUPS
+from conformance.engine.scenarios import GROUPS, MLA_GROUPS
 from reference.tree import ancestors
 
 pytestmark = pytest.mark.engine
 
+
+@pytest.fixture
+def lane(request, group):
+    """The engine lane that serves `group` (its trained draft: the Llama draft's lane, or the MLA draft's)."""
+    return request.getfixturevalue(LANES.get(group.id, "engine_lane"))
+
 ALL = [pytest.param(g, s, id=s.id) for g in GROUPS for s in g.scenarios]
-CHAINS = [pytest.param(g, s, id=s.id) for g in GROUPS if g.chain for s in g.scenarios]
+# Every scenario the lane's core checks run on: the Llama draft's, and the MLA draft's (test_engine_mla.py has its own
+# meta tests), each served by its lane (LANES).
+SERVED = ALL + [pytest.param(g, s, id=s.id) for g in MLA_GROUPS for s in g.scenarios]
+LANES = {g.id: "mla_engine_lane" for g in MLA_GROUPS}   # group -> its lane fixture, when not engine_lane
 TREE_GROUPS = [g for g in GROUPS if not g.chain]
 
 
-@pytest.mark.parametrize("group,scenario", ALL)
-def test_outputs_are_the_targets_greedy_continuation(group, scenario, engine_lane, report, repro):
+@pytest.mark.parametrize("group,scenario", SERVED)
+def test_outputs_are_the_targets_greedy_continuation(group, scenario, lane, report, repro):
     """Greedy speculative decoding is lossless: every output equals transformers' generate."""
-    _, _, findings = served(engine_lane, group, scenario, report)
+    _, _, findings = served(lane, group, scenario, report)
     failures = [m for f in findings if (m := f.lossless_failure())]
     assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
 
 
-@pytest.mark.parametrize("group,scenario", ALL)
-def test_sglang_accept_accounting_equals_reference(group, scenario, engine_lane, report, repro):
+@pytest.mark.parametrize("group,scenario", SERVED)
+def test_sglang_accept_accounting_equals_reference(group, scenario, lane, report, repro):
     """SGLang's own meta_info (spec_verify_ct, spec_correct_drafts_histogram, spec_accept_length) equals the
     reference draft's simulation of the same request (chain: draft_and_verify; tree: the exact tree)."""
-    _, run, findings = served(engine_lane, group, scenario, report)
+    _, run, findings = served(lane, group, scenario, report)
     for f in findings:
         record_request(report, scenario.id, f, scenario.new_tokens)
     failures = [m for f in findings if (m := f.acceptance_failure(scenario.new_tokens))]
     assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
 
 
-@pytest.mark.parametrize("group,scenario", CHAINS)
-def test_served_rounds_equal_reference_stage_by_stage(group, scenario, engine_lane, report, repro):
+@pytest.mark.parametrize("group,scenario", [p for p in SERVED if p.values[0].chain])
+def test_served_rounds_equal_reference_stage_by_stage(group, scenario, lane, report, repro):
     """Every round of every request: the positions the worker gave each pass, the hand-off (the target's
     aux states and the ids it embeds at step 0, the recurrent hidden at steps >= 1), every draft stage,
     the drafted tokens and the accepted drafts equal the reference's on the same context."""
-    _, _, findings = served(engine_lane, group, scenario, report)
+    _, _, findings = served(lane, group, scenario, report)
     failures = [m for f in findings if (m := f.rounds_failure(repro))]
     assert not failures, "\n\n".join(failures)
 
@@ -156,12 +165,12 @@ def test_seed_flags_verify_width_is_what_sglang_resolved(group, scenario, engine
         assert q.served.meta["spec_accept_length"] <= resolved, f"{q.label}: accept length above the verify width"
 
 
-@pytest.mark.parametrize("group,scenario", ALL)
-def test_the_drafter_is_named(group, scenario, engine_lane, report):
+@pytest.mark.parametrize("group,scenario", SERVED)
+def test_the_drafter_is_named(group, scenario, lane, report):
     """The report names the speculative worker class SGLang's scheduler built for each engine (which one serves
     a draft depends on its flags: speculative/spec_info.py create_worker), and it is the one whose rounds the
     capture observed (EAGLEWorkerV2's forward_batch_generation, engine_shims.Capture)."""
-    run, _, _ = served(engine_lane, group, scenario, report)
+    run, _, _ = served(lane, group, scenario, report)
     assert (failure := drafter_failure(run)) is None, failure
 
 

@@ -1,10 +1,10 @@
 """The engine lane on an MLA draft: SGLang's real `Engine` serving a tiny DeepSeek-V3 target with an EAGLE-3 draft whose
 attention is DeepSeek's multi-head latent attention (the layout Kimi-K2.5/K2.6 drafts are served with), trained by NeMo
 Automodel's own training code (trained_draft.MLA_RECIPE) and loaded by SGLang's Eagle3DeepseekV2ForCausalLM from the
-sglang-mla layout. Held to the reference exactly, as the Llama draft is (test_engine.py): lossless outputs, SGLang's
-measured acceptance equal to the reference's simulation, and every round stage by stage over the stages SGLang's MLA
-draft has (adapters/sglang/engine_mla.py). A fault planted in SGLang's MLA draft layer must fail the lane at its round
-and stage.
+sglang-mla layout. test_engine.py holds it to the reference exactly, as it holds the Llama draft: lossless outputs,
+SGLang's measured acceptance equal to the reference's simulation, and every round stage by stage over the stages
+SGLang's MLA draft has (adapters/sglang/engine_mla.py). Here: that the capture saw every one of those stages, and that a
+fault planted in SGLang's MLA draft layer fails the lane at its round and stage.
 """
 from __future__ import annotations
 
@@ -12,35 +12,12 @@ import pytest
 
 from conformance.adapters.sglang.engine_mla import ENGINE_CLAIMED
 from conformance.engine.faults import MLA_FAULT_PROMPT, MLA_FAULTS
-from conformance.engine.reporting import assert_planted_fault_named, record_request, served_scenario as served
+from conformance.engine.reporting import assert_planted_fault_named, served_scenario as served
 from conformance.engine.scenarios import MLA_GROUPS
 
 pytestmark = pytest.mark.engine
 
 ALL = [pytest.param(g, s, id=s.id) for g in MLA_GROUPS for s in g.scenarios]
-
-
-@pytest.mark.parametrize("group,scenario", ALL)
-def test_mla_outputs_are_the_targets_greedy_continuation(group, scenario, mla_engine_lane, report, repro):
-    _, _, findings = served(mla_engine_lane, group, scenario, report)
-    failures = [m for f in findings if (m := f.lossless_failure())]
-    assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
-
-
-@pytest.mark.parametrize("group,scenario", ALL)
-def test_mla_accept_accounting_equals_reference(group, scenario, mla_engine_lane, report, repro):
-    _, _, findings = served(mla_engine_lane, group, scenario, report)
-    for f in findings:
-        record_request(report, scenario.id, f, scenario.new_tokens)
-    failures = [m for f in findings if (m := f.acceptance_failure(scenario.new_tokens))]
-    assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
-
-
-@pytest.mark.parametrize("group,scenario", ALL)
-def test_mla_served_rounds_equal_reference_stage_by_stage(group, scenario, mla_engine_lane, report, repro):
-    _, _, findings = served(mla_engine_lane, group, scenario, report)
-    failures = [m for f in findings if (m := f.rounds_failure(repro))]
-    assert not failures, "\n\n".join(failures)
 
 
 @pytest.mark.meta

@@ -11,7 +11,7 @@ import pytest
 from conformance.adapters import ADAPTERS
 from conformance.core.sections import Section
 from conformance.engine.scenarios import Prompt, Scenario
-from conformance.engine.reporting import fault_row
+from conformance.engine.reporting import assert_fault_at_its_place, fault_row
 from conformance.engine.served_lane import GROUPS, ServedGroup
 
 ENGINE = ADAPTERS["vllm"].engine
@@ -80,11 +80,4 @@ def test_planted_serving_fault_fails_the_lane(fault, unfaulted, vllm_engine, rep
         "lossless": finding.lossless_failure() is None,
         "accept length served/ref": f"{m.get('mean_acceptance_length', 0):.4g}/"
                                     f"{1 + sum(accepted) / len(accepted):.4g}"}))
-    assert failures, f"{fault.id}: the vLLM engine lane passed with the fault planted ({fault.summary})"
-    assert first is not None, f"{fault.id}: no round diverged; the lane failed only on: {failures}"
-    got = (finding.conforming_rounds, first.step, first.stage)
-    assert got == (fault.round, fault.step, fault.stage), (
-        f"{fault.id}: first divergence at round {got[0]}, step {got[1]} '{got[2]}', expected round {fault.round}, "
-        f"step {fault.step} '{fault.stage}'\n{finding.divergence.message(repro)}")
-    message = finding.rounds_failure(repro)
-    assert f"round {fault.round}" in message and f"stage '{fault.stage}'" in message, message
+    assert_fault_at_its_place(fault, finding, failures, repro, "the vLLM engine lane")
