@@ -73,15 +73,19 @@ def knob_setting(case: DraftCase) -> str:
 
 
 def draft_cell(impl: str, case: DraftCase) -> str:
-    """What the implementation cannot express (`cannot_express`: the tests skip), else the deciding
-    forward entry (a load refusal first), then the accounting entries."""
-    from conformance.adapters import cannot_express
+    """What the implementation cannot express (`cannot_express`: the tests skip; a draft it reads and loads but does
+    not run says so, with its accounting entries), else the deciding forward entry (a load refusal first), then the
+    accounting entries."""
+    from conformance.adapters import ADAPTERS, cannot_express
 
+    accounting = [AREAS[e.area].cell(e) for e in for_accounting(impl, case)
+                  if e.area not in {k.area for k in for_case(impl, case)}]
     if why := cannot_express(impl, case.config):
-        return f"not expressible: {why}"
+        # read and loaded, not run (the adapter's forward_not_run: its `unsupported` says "config + weights checked")
+        checked_only = ADAPTERS[impl]().forward_not_run(case.config)
+        return "; ".join([why, *accounting]) if checked_only else f"not expressible: {why}"
     entry = deciding(for_case(impl, case), case.config.num_hidden_layers)
-    more = [e for e in for_accounting(impl, case) if e.area not in {k.area for k in for_case(impl, case)}]
-    return "; ".join(AREAS[e.area].cell(e) for e in ([entry] if entry else []) + more) or "safe"
+    return "; ".join(([AREAS[entry.area].cell(entry)] if entry else []) + accounting) or "safe"
 
 
 def draft_rows(cases=ALL_CASES) -> list[dict]:
