@@ -13,7 +13,7 @@ from unittest import mock
 
 from conformance.core import registry
 from conformance.core.areas import AREAS, ASSERTED, deciding
-from conformance.core.registry import for_accounting, for_case
+from conformance.core.registry import case_names, for_accounting, for_case
 from fixtures.cases import ALL_CASES, DraftCase
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "registry.md"   # the page that holds the generated block
@@ -78,14 +78,18 @@ def draft_cell(impl: str, case: DraftCase) -> str:
     accounting entries."""
     from conformance.adapters import ADAPTERS, cannot_express
 
-    accounting = [AREAS[e.area].cell(e) for e in for_accounting(impl, case)
-                  if e.area not in {k.area for k in for_case(impl, case)}]
     if why := cannot_express(impl, case.config):
-        # read and loaded, not run (the adapter's forward_not_run: its `unsupported` says "config + weights checked")
-        checked_only = ADAPTERS[impl]().forward_not_run(case.config)
-        return "; ".join([why, *accounting]) if checked_only else f"not expressible: {why}"
+        adapter = ADAPTERS[impl]()
+        if not adapter.forward_not_run(case.config):
+            return f"not expressible: {why}"
+        # read and loaded, not run (its `unsupported` says "config + weights checked; forward not run: ..."): what
+        # its reading and loading of the file in its format show (conformance/draft/test_mla_vllm.py)
+        names = {**case_names(case), "format": adapter.format_for(case.config), "absent": (), "overruled": ()}
+        known = (*for_accounting(impl, case), *registry.applicable("reading", impl, names))
+        return "; ".join([why, *(AREAS[e.area].cell(e) for e in known)])
     entry = deciding(for_case(impl, case), case.config.num_hidden_layers)
-    return "; ".join(([AREAS[entry.area].cell(entry)] if entry else []) + accounting) or "safe"
+    more = [e for e in for_accounting(impl, case) if e.area not in {k.area for k in for_case(impl, case)}]
+    return "; ".join(AREAS[e.area].cell(e) for e in ([entry] if entry else []) + more) or "safe"
 
 
 def draft_rows(cases=ALL_CASES) -> list[dict]:

@@ -17,12 +17,11 @@ from conformance.loading.accounting import Accounting, finite, load_and_count, v
 from reference.eagle3 import Eagle3Config
 
 # Why the MLA draft's forward does not run in this lane (the support matrix's vLLM cell, every skipped comparison).
-FORWARD_NOT_RUN = (
-    "vLLM's MLA attention on a CPU host is its CPU_MLA backend (FLEX_ATTENTION, the Llama draft's backend here, is not "
-    "an MLA backend), whose decode calls torch.ops._C.mla_decode_kvcache, a compiled op of vLLM's CPU build absent "
-    "from the CUDA wheel this lane installs (vllm/v1/attention/backends/mla/cpu_mla.py:180, vllm/_custom_ops.py:160); "
-    "that kernel is built for a 576-wide latent cache only (kv_lora_rank 512 + rope 64, cpu_mla.py:61-64), so the "
-    "suite's tiny MLA drafts would not run on vLLM's CPU build either")
+# That kernel is also built for a 576-wide latent cache only (kv_lora_rank 512 + rope 64, cpu_mla.py:61-64): the
+# suite's tiny MLA drafts would not run on vLLM's CPU build either, the published Kimi-K2.5 draft's size would.
+FORWARD_NOT_RUN = ("its MLA attention on CPU is CPU_MLA, whose decode calls torch.ops._C.mla_decode_kvcache "
+                   "(vllm/v1/attention/backends/mla/cpu_mla.py:180), a compiled op of vLLM's CPU build absent from "
+                   "this lane's CUDA wheel; FLEX_ATTENTION is not an MLA backend")
 CHECKED = "config + weights checked; forward not run"
 
 
