@@ -4,11 +4,12 @@ build). For every built-in MLA case, in the format its published drafts come in 
 the published MLA draft configs (fixtures/data/real-configs/mla/):
 - its config reading: vLLM's own resolution (EngineArgs -> SpeculativeConfig -> the draft's ModelConfig) and the
   class it builds from it, with every knob read off the built modules (conformance/adapters/vllm/mla.py `observed`),
-  against what the reference reads from the same file; each difference is a registry `reading` entry of the format
+  against what the reference reads from the same file, and its rope table at every position the case's steps use; each difference is a registry `reading` entry of the format
   (a strict xfail that matches only its own key and reading);
 - its weight loading: its real `load_weights` observed, every tensor landing bit for bit (q_a_proj and
   kv_a_proj_with_mqa in their rows of fused_qkv_a_proj) or named, as the Llama draft's accounting.
-Planted: a renamed tensor and a missing one are named; a reading the registry does not state fails.
+Planted: a renamed tensor and a missing one are named; a reading the registry does not state fails; a rope table
+scaled once more by yarn's mscale fails.
 Run with the adapter (`impl`), so that these tests join its lane (`pytest -m vllm`).
 """
 from __future__ import annotations
@@ -71,6 +72,12 @@ def settle_readings(impl: str, found: list[tuple[str, object, object]], known, h
     settle("\n".join(lines + [f"  repro: {repro}"]), [] if unexplained else hits)
 
 
+def rope_positions(drafts, case, steps: int = 3) -> torch.Tensor:
+    """Every position the case's first `steps` draft steps turn: its batch's positions and each last one + k."""
+    positions = drafts.batch(case).positions
+    return torch.unique(torch.cat([positions + k for k in range(steps)]))
+
+
 def reading_params():
     for impl in IMPLS:
         for case in MLA_STEP0_CASES:
@@ -81,9 +88,16 @@ def reading_params():
 def test_mla_config_is_read_as_the_reference_reads_it(impl, case, drafts, repro):
     adapter = ADAPTERS[impl]()
     directory = drafts.directory(impl, case)
-    seen = adapter.mla_checks.reading(directory)
+    positions = rope_positions(drafts, case)
+    seen = adapter.mla_checks.reading(directory, positions)
     reference = read_config(directory)
     found = adapter.mla_checks.differences(seen, reference)
+    # its rope table at every position the case's draft steps use, against the reference's
+    for half, result in zip(("cos", "sin"), adapter.mla_checks.rope_against_reference(seen, reference, positions)):
+        if result.failed:
+            found.append((f"rope table {half}", f"max abs {result.max_abs:.3e} (rel {result.max_rel:.3e}) at "
+                          f"(position row, pair) {result.abs_index}, {result.excess:.3g}x the allowed error",
+                          "the reference's table"))
     settle_readings(impl, found, known_for_reading(impl, case), f"{impl} MLA config reading [{case.id}]", repro)
 
 
@@ -169,3 +183,20 @@ def test_a_reading_the_registry_does_not_state_fails(impl, drafts, repro):
         with pytest.raises(AssertionError, match="kv_lora_rank") as info:
             settle_readings(impl, found, known, f"{impl} MLA config reading [planted]", repro)
         assert type(info.value) is AssertionError
+
+
+@pytest.mark.meta
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_rope_table_off_by_yarns_mscale_fails(impl, drafts):
+    """The rope table check can fail: vLLM's table for the yarn case, scaled once more by yarn's mscale (0.1 ln 4 + 1,
+    the scale a reader applying mscale twice would give), diverges; as read, it conforms."""
+    import math
+
+    case = CASES_BY_ID["mla_rope_yarn"]
+    adapter, positions = ADAPTERS[impl](), rope_positions(drafts, case)
+    seen = adapter.mla_checks.reading(drafts.directory(impl, case), positions)
+    cfg = read_config(drafts.directory(impl, case))
+    assert not any(r.failed for r in adapter.mla_checks.rope_against_reference(seen, cfg, positions))
+    planted = {**seen, "cos": seen["cos"] * (0.1 * math.log(4.0) + 1.0)}
+    cos, sin = adapter.mla_checks.rope_against_reference(planted, cfg, positions)
+    assert cos.failed and not sin.failed, (cos, sin)

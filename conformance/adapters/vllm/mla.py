@@ -25,11 +25,32 @@ FORWARD_NOT_RUN = ("its MLA attention on CPU is CPU_MLA, whose decode calls torc
 CHECKED = "config + weights checked; forward not run"
 
 
-def reading(ckpt_dir: Path, dtype: torch.dtype = torch.float32) -> dict:
-    """What vLLM resolved from the draft's config and what its built modules state (worker_mla.reading)."""
+def reading(ckpt_dir: Path, positions: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> dict:
+    """What vLLM resolved from the draft's config and what its built modules state (worker_mla.reading); with
+    `positions`, also its rope table there ("cos", "sin": [len(positions), qk_rope_head_dim / 2], one angle per
+    rope pair)."""
     worker = Worker.get()
-    return worker.ask("mla_reading", ckpt=str(Path(ckpt_dir).resolve()), dtype=DTYPE_NAMES[dtype],
-                      work=str(worker.scratch()))
+    work = worker.scratch()
+    wanted = [0] if positions is None else positions.tolist()
+    seen = worker.ask("mla_reading", ckpt=str(Path(ckpt_dir).resolve()), dtype=DTYPE_NAMES[dtype], work=str(work),
+                      positions=wanted, rope=str(work / "rope.safetensors"))
+    return {**seen, **(load_file(str(work / "rope.safetensors")) if positions is not None else {})}
+
+
+def rope_against_reference(seen: dict, cfg: Eagle3Config, positions: torch.Tensor) -> list:
+    """vLLM's rope table at `positions` (`reading`) against the reference's (reference/rope.py rope_cos_sin on the
+    draft's MLAConfig: one angle per pair, the first half of its [T, rd] tables), in vLLM's table dtype, fp32, with
+    the fp64 reference for the error model, under the tolerance of the stage they turn (k_rope). StageResults."""
+    from conformance.core.compare import compare_tensors
+    from reference.rope import rope_cos_sin
+
+    half = cfg.qk_rope_head_dim // 2
+    out = []
+    for i, name in enumerate(("cos", "sin")):
+        same, precise = (rope_cos_sin(cfg.mla, positions, d)[i][:, :half] for d in (torch.float32, torch.float64))
+        out.append(compare_tensors(0, "layers.0.k_rope", seen[name], precise, torch.float32, precise=precise,
+                                   same=same))
+    return out
 
 
 def config_reading(ckpt_dir: Path) -> dict:

@@ -17,8 +17,12 @@ from worker_load import build
 
 def mla_reading(req: dict) -> dict:
     """vLLM's reading of an MLA draft's config: the draft built from it (no weight read: vLLM's dummy loader) and
-    what its config and its modules say."""
+    what its config and its modules say; its rope table's cos and sin halves at `positions` in a safetensors file
+    (`rope`), as its rotary embedding holds them (cos_sin_cache: [cos | sin] per position, the scale applied)."""
     model, _, spec = build(req, load_format="dummy")
+    cache = model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+    cos, sin = cache.index_select(0, torch.tensor(req["positions"], dtype=torch.long)).chunk(2, dim=-1)
+    save_file({"cos": cos.contiguous(), "sin": sin.contiguous()}, req["rope"])
     return reading(model, spec)
 
 
