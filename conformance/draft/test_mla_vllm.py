@@ -200,3 +200,10 @@ def test_a_rope_table_off_by_yarns_mscale_fails(impl, drafts):
     planted = {**seen, "cos": seen["cos"] * (0.1 * math.log(4.0) + 1.0)}
     cos, sin = adapter.mla_checks.rope_against_reference(planted, cfg, positions)
     assert cos.failed and not sin.failed, (cos, sin)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_running_an_mla_draft_says_why_it_does_not_run(impl, drafts):
+    """Asked to run an MLA draft, the adapter refuses in one line naming the compiled op (its forward_not_run)."""
+    with pytest.raises(NotImplementedError, match="mla_decode_kvcache.*cpu_mla.py:180"):
+        ADAPTERS[impl]().load(drafts.directory(impl, BASE), torch.float32)

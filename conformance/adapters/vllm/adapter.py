@@ -110,8 +110,12 @@ class VLLMAdapter(AdapterBase):
              device: str = "cpu") -> "LoadedVLLM":
         """Build and load the draft in the worker as vLLM's proposer does; `server_args` (SGLang flags) do
         not apply to vLLM."""
+        from conformance.checkpoints import detect_format
+
         if torch.device(device).type != "cpu":
             raise NotImplementedError("vllm: the adapter runs the worker on the CPU only")
+        if detect_format(Path(ckpt_dir)) == sglang_mla.NAME:   # read and accounted for (mla.py), never run here
+            raise NotImplementedError(f"vllm: {mla.CHECKED}: {mla.FORWARD_NOT_RUN}")
         worker = Worker.get()
         answer = worker.ask("load", ckpt=str(Path(ckpt_dir).resolve()), dtype=DTYPE_NAMES[dtype],
                             work=str(worker.scratch()), steps=8)
