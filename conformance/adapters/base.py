@@ -190,6 +190,8 @@ class DraftAdapter(Protocol):
                                                    # draft area's TP check (adapters/sglang/tensor_parallel.py)
     mla: ClassVar[ModuleType | None]               # its MLA draft class (DeepSeek latent attention): loaded, accounted
                                                    # and run for a user's MLA draft (adapters/sglang/mla.py)
+    mla_checks: ClassVar[ModuleType | None]        # its MLA draft's config reading and weight loading, checked where
+                                                   # its forward cannot run (adapters/vllm/mla.py, forward_not_run)
     # default empty: (batch, context) shapes of the benchmark whose timed pass does not compile on a CPU host,
     # each with why (left out of the CPU sweep; not the implementation's maths)
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]]
@@ -207,6 +209,12 @@ class DraftAdapter(Protocol):
 
     def unsupported(self, cfg: Eagle3Config) -> str | None:
         """Why this implementation cannot even express `cfg`, or None (the default)."""
+        ...
+
+    def forward_not_run(self, cfg: Eagle3Config) -> str | None:
+        """Why a draft of `cfg` is read and accounted for (its `mla_checks`) but never run, or None (the default);
+        its `unsupported` then says so too, and the support matrix's cell reads "config + weights checked; forward
+        not run: <why>"."""
         ...
 
     def fc_runs(self, cfg: Eagle3Config) -> bool:
@@ -252,6 +260,7 @@ class AdapterBase:
     prepare_for_server: ClassVar[Mapping[str, Callable[[Path], Path]]] = MappingProxyType({})
     tensor_parallel: ClassVar[ModuleType | None] = None
     mla: ClassVar[ModuleType | None] = None
+    mla_checks: ClassVar[ModuleType | None] = None
     cpu_compile_fails: ClassVar[Mapping[tuple[int, int], str]] = MappingProxyType({})
 
     @classmethod
@@ -263,6 +272,9 @@ class AdapterBase:
         return installed_version(cls.package)
 
     def unsupported(self, cfg: Eagle3Config) -> str | None:
+        return None
+
+    def forward_not_run(self, cfg: Eagle3Config) -> str | None:
         return None
 
     def format_for(self, cfg: Eagle3Config) -> str:

@@ -13,7 +13,7 @@ from unittest import mock
 
 from conformance.core import registry
 from conformance.core.areas import AREAS, ASSERTED, deciding
-from conformance.core.registry import for_accounting, for_case
+from conformance.core.registry import case_names, for_accounting, for_case
 from fixtures.cases import ALL_CASES, DraftCase
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "registry.md"   # the page that holds the generated block
@@ -73,12 +73,20 @@ def knob_setting(case: DraftCase) -> str:
 
 
 def draft_cell(impl: str, case: DraftCase) -> str:
-    """What the implementation cannot express (`cannot_express`: the tests skip), else the deciding
-    forward entry (a load refusal first), then the accounting entries."""
-    from conformance.adapters import cannot_express
+    """What the implementation cannot express (`cannot_express`: the tests skip; a draft it reads and loads but does
+    not run says so, with its accounting entries), else the deciding forward entry (a load refusal first), then the
+    accounting entries."""
+    from conformance.adapters import ADAPTERS, cannot_express
 
     if why := cannot_express(impl, case.config):
-        return f"not expressible: {why}"
+        adapter = ADAPTERS[impl]()
+        if not adapter.forward_not_run(case.config):
+            return f"not expressible: {why}"
+        # read and loaded, not run (its `unsupported` says "config + weights checked; forward not run: ..."): what
+        # its reading and loading of the file in its format show (conformance/draft/test_mla_vllm.py)
+        names = {**case_names(case), "format": adapter.format_for(case.config), "absent": (), "overruled": ()}
+        known = (*for_accounting(impl, case), *registry.applicable("reading", impl, names))
+        return "; ".join([why, *(AREAS[e.area].cell(e) for e in known)])
     entry = deciding(for_case(impl, case), case.config.num_hidden_layers)
     more = [e for e in for_accounting(impl, case) if e.area not in {k.area for k in for_case(impl, case)}]
     return "; ".join(AREAS[e.area].cell(e) for e in ([entry] if entry else []) + more) or "safe"

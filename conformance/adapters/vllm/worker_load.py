@@ -14,14 +14,16 @@ from worker_record import Recorder
 STATE: dict = {"loaded": {}, "next": 0}
 
 
-def load(req: dict) -> dict:
+def build(req: dict, load_format: str = "auto"):
+    """The draft's engine config and the draft built and loaded by vLLM's own path; (model, draft vllm config,
+    speculative config). `load_format` "dummy": built, no weight read (vLLM's DummyModelLoader)."""
     from vllm.compilation.backends import set_model_tag
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model
     from vllm.model_executor.model_loader.utils import get_draft_load_config
 
     draft_dir, work = Path(req["ckpt"]), Path(req["work"])
-    vllm_config = engine_config(draft_dir, req["dtype"], req.get("steps", 1), work)
+    vllm_config = engine_config(draft_dir, req["dtype"], req.get("steps", 1), work, load_format=load_format)
     ensure_distributed(vllm_config)
     spec = vllm_config.speculative_config
     # as SpecDecodeBaseProposer._create_draft_vllm_config / _get_model (llm_base_proposer.py:1265-1316)
@@ -30,6 +32,11 @@ def load(req: dict) -> dict:
     with set_current_vllm_config(draft_vllm_config), set_model_tag("eagle_head"):
         model = get_model(vllm_config=draft_vllm_config, model_config=spec.draft_model_config,
                           load_config=get_draft_load_config(draft_vllm_config))
+    return model, draft_vllm_config, spec
+
+
+def load(req: dict) -> dict:
+    model, draft_vllm_config, spec = build(req)
     shared = share_from_target(model)
     handle = STATE["next"]
     STATE["next"] += 1
