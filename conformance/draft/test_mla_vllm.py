@@ -4,8 +4,9 @@ build). For every built-in MLA case, in the format its published drafts come in 
 the published MLA draft configs (fixtures/data/real-configs/mla/):
 - its config reading: vLLM's own resolution (EngineArgs -> SpeculativeConfig -> the draft's ModelConfig) and the
   class it builds from it, with every knob read off the built modules (conformance/adapters/vllm/mla.py `observed`),
-  against what the reference reads from the same file, and its rope table at every position the case's steps use; each difference is a registry `reading` entry of the format
-  (a strict xfail that matches only its own key and reading);
+  against what the reference reads from the same file, and its rope table at every position the case's steps use;
+  each difference is a registry `reading` entry of the format (a strict xfail that matches only its own key and
+  reading);
 - its weight loading: its real `load_weights` observed, every tensor landing bit for bit (q_a_proj and
   kv_a_proj_with_mqa in their rows of fused_qkv_a_proj) or named, as the Llama draft's accounting.
 Planted: a renamed tensor and a missing one are named; a reading the registry does not state fails; a rope table
