@@ -133,8 +133,9 @@ TWINS = {"batch_tp2": "batch", "batch_page16": "batch"}
 # target, trained by NeMo Automodel's own training code (acceptance/trained_draft.py MLA_RECIPE), served by
 # SGLang's Eagle3DeepseekV2ForCausalLM: two requests in one batch, a chain of 3.
 MLA_GROUPS = (
-    EngineGroup("mla_chain_k3", steps=3, topk=1, draft_tokens=4, scenarios=(
+    EngineGroup("mla_chain_k3", steps=3, topk=1, draft_tokens=4, chunked_prefill_size=4, scenarios=(
         Scenario("mla_batch", "an MLA draft (NeMo-trained) for a DeepSeek-V3 target: requests of 3 and 6 tokens in "
-                 "one batch, chain of 3", ((Prompt(4, 3), Prompt(5, 6)),), new_tokens=12),)),
+                 "one batch, chain of 3, a chunked prefill of 4 tokens (the 6-token prompt split: the draft extends "
+                 "over its cached latents)", ((Prompt(4, 3), Prompt(5, 6)),), new_tokens=12),)),
 )
 SCENARIOS = {s.id: (g, s) for g in GROUPS + FULL_GROUPS + BF16_GROUPS + MLA_GROUPS for s in g.scenarios}

@@ -126,11 +126,11 @@ def test_batch_requests_share_passes(group, scenario, engine_lane, report):
         assert request.rounds[0].decode[0].batch == n, f"{request.label}: drafted alone"
 
 
-@pytest.mark.parametrize("group,scenario", [p for p in ALL if p.values[0].chunked_prefill_size])
-def test_chunked_prefill_splits_prompts(group, scenario, engine_lane, report):
+@pytest.mark.parametrize("group,scenario", [p for p in SERVED if p.values[0].chunked_prefill_size])
+def test_chunked_prefill_splits_prompts(group, scenario, lane, report):
     """The scenario is what it claims: a prompt longer than the chunk was prefilled (and draft-extended)
     in several chunks, one of them ending mid-prompt."""
-    _, scenario_run, _ = served(engine_lane, group, scenario, report)
+    _, scenario_run, _ = served(lane, group, scenario, report)
     longest = max(scenario_run.requests, key=lambda r: r.prompt.length)
     passes = longest.rounds[0].extend
     assert len(passes) > 1, f"{longest.label}: prefilled in one pass with chunk {group.chunked_prefill_size}"
