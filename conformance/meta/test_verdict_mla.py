@@ -11,12 +11,16 @@ either of TorchSpec's tensor layouts. On the real Kimi-K2.5 target config:
     (DeepseekV3Config's default, the published config states none): exit 1, that one problem;
   - with norm_before_fc (an `input_norm.weight`), SGLang's MLA draft drops the norm at load: exit 1, one problem
     naming its file:line and the fix, and the forward's departure at the logits;
-  - a malformed MLA config is bad input: exit 4, one line naming the file and the field.
+  - a malformed MLA config is bad input: exit 4, one line naming the file and the field;
+  - a draft NeMo Automodel saved (its MLA draft, DeepseekV3Eagle3DraftModel, through its own checkpointer): the trainer
+    is detected as NeMo, SGLang cannot read the directory as written (the one problem, with the conversion into
+    SGLang's MLA format as its printed fix), and the conversion, checked, is served as trained.
 """
 from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -25,8 +29,9 @@ import torch
 
 from conformance.checkpoints import open_checkpoint
 from conformance.checkpoints.errors import CheckpointError
+from conformance.meta.planted_sglang import PLANT_ENV, PLUGIN
 from conformance.meta.preloaded import Preloaded
-from conformance.meta.test_verdict import HEADLINE, KIMI, NO_XDIST, NOT_CHECKED, verdict_block
+from conformance.meta.test_verdict import HEADLINE, KIMI, NO_XDIST, NOT_CHECKED, Printed, assert_fixes_fix, verdict_block
 from conformance.user.verdict import EXIT_BAD_INPUT, EXIT_NOT_SERVED, EXIT_SERVED, NOT_SERVED, SERVED
 from fixtures.mla import ABSENT, LAYOUTS, make_mla_config, make_mla_weights, write_mla_checkpoint
 
@@ -53,12 +58,14 @@ def preloaded(tmp_path_factory):
     process.close()
 
 
-def check(preloaded: Preloaded, draft: Path, *args: str):
-    """`eagle3-conformance check DRAFT ARGS` from an empty directory outside the draft's; (result, report dir)."""
+def check(preloaded: Preloaded, draft: Path, *args: str, planted: str | None = None):
+    """`eagle3-conformance check DRAFT ARGS` from an empty directory outside the draft's; (result, report dir).
+    `planted`: a source_patcher config applied to SGLang in that run alone (conformance/meta/planted_sglang.py)."""
     report, cwd = draft.parent / "report", draft.parent / "cwd"
     cwd.mkdir()
+    plant = PLUGIN if planted else ()
     result = preloaded.run([sys.executable, "-m", "conformance.cli", "check", str(draft), *args, "--report",
-                            str(report), "--", *NO_XDIST], cwd=cwd)
+                            str(report), "--", *NO_XDIST, *plant], cwd=cwd, env={PLANT_ENV: planted} if planted else None)
     return result, report
 
 
@@ -143,6 +150,35 @@ def test_norm_before_fc_is_dropped_by_sglangs_mla_draft(preloaded, tmp_path):
         assert named in block, (named, block)
 
 
+# Planted in SGLang's DeepSeek MLP, the MLA draft layer's (models/deepseek_v2.py DeepseekV2MLP.forward): its gate/up
+# projection's output scaled, so the MLP's output is the first stage that differs.
+MLP_SCALED = """
+patches:
+  - target: sglang.srt.models.deepseek_v2.DeepseekV2MLP.forward
+    edits:
+      - match: |
+          gate_up, _ = self.gate_up_proj(x)
+        replacement: |
+          gate_up, _ = self.gate_up_proj(x)
+          gate_up = gate_up * 1.25
+"""
+
+
+def test_a_fault_outside_the_attention_is_named_at_its_stage(preloaded, tmp_path):
+    """Planted in SGLang's MLA draft's MLP, in the user's run alone: the verdict names the MLP's output, step 0, in
+    every forward check that ran (the user checks compare every stage SGLang's MLA column claims, not only the
+    attention's and the logits)."""
+    draft = mla_draft(tmp_path)
+    positions = open_checkpoint(draft).config.max_position_embeddings
+    result, report = check(preloaded, draft, f"--target-config={KIMI}",
+                           f"--sglang-args={CHAIN} --context-length {positions}", planted=MLP_SCALED)
+    block = verdict_block(result.stdout)
+    assert result.returncode == EXIT_NOT_SERVED and headline(result)[1] == NOT_SERVED, block
+    forward = [c for c in json.loads((report / "report.json").read_text())["comparisons"] if c["impl"] == "sglang"]
+    assert forward and all(c["outcome"] != "pass" for c in forward), forward
+    assert "draft step 0, stage `layers.0.mlp_out`" in block, block
+
+
 @pytest.mark.parametrize("changes", [dict(kv_lora_rank=ABSENT), dict(kv_lora_rank="16")],
                          ids=["no_kv_lora_rank", "kv_lora_rank_a_string"])
 def test_a_malformed_mla_draft_is_bad_input(changes, preloaded, tmp_path):
@@ -173,3 +209,38 @@ def test_q_without_lora_is_refused_by_sglangs_mla_draft(preloaded, tmp_path):
     assert result.returncode == EXIT_NOT_SERVED and m[2] == "1", block
     for named in ("cannot load this draft", "requires q_lora_rank", "kimi_k25_eagle3.py:113-117"):
         assert named in block, (named, block)
+
+
+# ---------------------------------------------------------------- a draft NeMo Automodel saved
+
+def test_a_nemo_saved_mla_draft_is_converted_and_served_as_trained(preloaded, tmp_path):
+    """NeMo Automodel 0.7.0's MLA draft as its checkpointer writes it (the example generator's write_as_trained: the
+    NeMo adapter's save_checkpoint, NeMo's own Checkpointer.save_model): architectures LlamaEagle3DraftModel, the
+    target's DeepseekV3Config and depth, `model.`-prefixed tensors in one shard. SGLang cannot build it as written
+    (registry sglang-nemo-mla-format-architecture-unknown); the printed fix converts it into SGLang's MLA format
+    (the converter's default for an MLA draft), and the check it prints after that finds nothing left to fix."""
+    from conformance.user.example_draft import write_as_trained
+    from fixtures.cases import CASES_BY_ID
+    from fixtures.tiny import make_draft_weights
+
+    case = CASES_BY_ID["mla_q_lora"]   # what NeMo trains: q LoRA, interleaved plain rope (no yarn: registry nemo-mla-*)
+    draft = write_as_trained(case.config, make_draft_weights(case.config, torch.Generator().manual_seed(SEED)),
+                             tmp_path / "saved", "nemo")
+    written = {p.name: p.read_bytes() for p in draft.iterdir()}
+    assert open_checkpoint(draft).format == "nemo"
+    result, report = check(preloaded, draft)
+    block = verdict_block(result.stdout)
+    m = headline(result)
+    assert result.returncode == EXIT_NOT_SERVED and m[2] == "1", block
+    verdict = verdict_json(report)
+    assert verdict["trainer"].startswith("nemo (") and "nemo format" in verdict["draft"], verdict
+    problem, = verdict["problems"]
+    assert problem["where"].startswith("config.json (nemo format)") and "Eagle3DeepseekV2ForCausalLM" in problem["fix"], \
+        problem
+    ran = {c["nodeid"].rsplit("::", 1)[-1]: c["outcome"] for c in
+           json.loads((report / "report.json").read_text())["comparisons"] if c["impl"] == "sglang"}
+    assert ran and set(ran.values()) == {"pass"}, ran   # SGLang's MLA draft on the conversion: every stage it claims
+    assert {p.name: p.read_bytes() for p in draft.iterdir()} == written, "the check wrote into the user's draft"
+    printed = Printed.of(result.stdout)
+    assert printed.fixed == [1] and "conformance.user.convert" in printed.fixes[0], printed
+    assert_fixes_fix(printed, lambda command: preloaded.run(shlex.split(command), cwd=tmp_path))

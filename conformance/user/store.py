@@ -123,6 +123,8 @@ class UserDraftStore(DraftStore):
                 if src.format == fmt or (fmt == "sglang" and src.format in SGLANG_FAMILY):
                     dirs[fmt] = _as_written(src, root / fmt, weights)
                     self.written_formats.add(fmt)
+                elif fmt == "sglang":   # the format SGLang serves the draft from (an MLA draft's: sglang-mla)
+                    dirs[fmt] = converted(ADAPTERS[DEFAULT_SERVER]().format_for(cfg), root / fmt)
                 else:
                     dirs[fmt] = converted(fmt, root / fmt)
             if "sglang" not in self.written_formats:
