@@ -9,8 +9,8 @@ either of TorchSpec's tensor layouts. On the real Kimi-K2.5 target config:
     and vLLM's is not built, and neither is asked: the verdict says whom it judged);
   - with the chain alone, SGLang refuses to start: Kimi-K2.5's context (262144) is longer than the draft's positions
     (DeepseekV3Config's default, the published config states none): exit 1, that one problem;
-  - with norm_before_fc (an `input_norm.weight`), SGLang's MLA draft drops the norm at load: exit 1, one problem
-    naming its file:line and the fix, and the forward's departure at the logits;
+  - with norm_before_fc (an `input_norm.weight`), SGLang's MLA draft drops the norm at load and its forward has no
+    input norm stage: exit 1, the two registered problems, each naming its file:line and the fix;
   - a malformed MLA config is bad input: exit 4, one line naming the file and the field;
   - a draft NeMo Automodel saved (its MLA draft, DeepseekV3Eagle3DraftModel, through its own checkpointer): the trainer
     is detected as NeMo, SGLang cannot read the directory as written (the one problem, with the conversion into
@@ -31,7 +31,8 @@ from conformance.checkpoints import open_checkpoint
 from conformance.checkpoints.errors import CheckpointError
 from conformance.meta.planted_sglang import PLANT_ENV, PLUGIN
 from conformance.meta.preloaded import Preloaded
-from conformance.meta.test_verdict import HEADLINE, KIMI, NO_XDIST, NOT_CHECKED, Printed, assert_fixes_fix, verdict_block
+from conformance.meta.test_verdict import (HEADLINE, KIMI, NO_XDIST, NOT_CHECKED, Printed, assert_fixes_fix,
+                                          verdict_block)
 from conformance.user.verdict import EXIT_BAD_INPUT, EXIT_NOT_SERVED, EXIT_SERVED, NOT_SERVED, SERVED
 from fixtures.mla import ABSENT, LAYOUTS, make_mla_config, make_mla_weights, write_mla_checkpoint
 
@@ -65,7 +66,8 @@ def check(preloaded: Preloaded, draft: Path, *args: str, planted: str | None = N
     cwd.mkdir()
     plant = PLUGIN if planted else ()
     result = preloaded.run([sys.executable, "-m", "conformance.cli", "check", str(draft), *args, "--report",
-                            str(report), "--", *NO_XDIST, *plant], cwd=cwd, env={PLANT_ENV: planted} if planted else None)
+                            str(report), "--", *NO_XDIST, *plant], cwd=cwd,
+                           env={PLANT_ENV: planted} if planted else None)
     return result, report
 
 
@@ -106,8 +108,8 @@ def test_a_malformed_mla_config_names_its_field(changes, field, tmp_path):
 # ---------------------------------------------------------------- the verdict, as the user runs it
 
 def test_the_published_shape_is_served_as_trained_on_kimi(preloaded, tmp_path):
-    """Every check that exists for an MLA draft ran and passed: SGLang's load, bit for bit; its chain's attention
-    stages and logits at step 0 and over 3 teacher-forced steps, fp32 and bf16; the target wiring on Kimi-K2.5's
+    """Every check that exists for an MLA draft ran and passed: SGLang's load, bit for bit; every stage its MLA
+    column claims at step 0 and over 3 teacher-forced steps, fp32 and bf16; the target wiring on Kimi-K2.5's
     class; the server flags of a chain within the draft's positions. In TorchSpec's `--vllm` layout: the other
     (`midlayer.*`) is read as one above and lands bit for bit in SGLang (draft/test_mla_sglang.py); a whole
     verdict on it (12 s) would check the same again."""
@@ -144,10 +146,13 @@ def test_norm_before_fc_is_dropped_by_sglangs_mla_draft(preloaded, tmp_path):
                            f"--sglang-args={CHAIN} --context-length {positions}")
     m = headline(result)
     block = verdict_block(result.stdout)
-    assert result.returncode == EXIT_NOT_SERVED and m[0].startswith(f"VERDICT: {NOT_SERVED}") and m[2] == "1", block
+    assert result.returncode == EXIT_NOT_SERVED and m[0].startswith(f"VERDICT: {NOT_SERVED}") and m[2] == "2", block
     for named in ("dropped silently: input_norm.weight", "kimi_k25_eagle3.py:494-496",
-                  "retrain without it: norm_before_fc false", "stage `logits`"):
+                  "retrain without it: norm_before_fc false", "stage `fc_in_norm`", "kimi_k25_eagle3.py:285-293"):
         assert named in block, (named, block)
+    # the load's drop and the forward's missing norm, each its registered entry, one fix
+    assert [p["registry_id"] for p in verdict_json(report)["problems"]] == [
+        "sglang-mla-input-norm-dropped-at-load", "sglang-mla-input-norm-skipped"], verdict_json(report)["problems"]
 
 
 # Planted in SGLang's DeepSeek MLP, the MLA draft layer's (models/deepseek_v2.py DeepseekV2MLP.forward): its gate/up
@@ -235,8 +240,8 @@ def test_a_nemo_saved_mla_draft_is_converted_and_served_as_trained(preloaded, tm
     verdict = verdict_json(report)
     assert verdict["trainer"].startswith("nemo (") and "nemo format" in verdict["draft"], verdict
     problem, = verdict["problems"]
-    assert problem["where"].startswith("config.json (nemo format)") and "Eagle3DeepseekV2ForCausalLM" in problem["fix"], \
-        problem
+    assert problem["where"].startswith("config.json (nemo format)"), problem
+    assert "Eagle3DeepseekV2ForCausalLM" in problem["fix"], problem
     ran = {c["nodeid"].rsplit("::", 1)[-1]: c["outcome"] for c in
            json.loads((report / "report.json").read_text())["comparisons"] if c["impl"] == "sglang"}
     assert ran and set(ran.values()) == {"pass"}, ran   # SGLang's MLA draft on the conversion: every stage it claims

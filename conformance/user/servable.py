@@ -48,7 +48,8 @@ def raise_site(exc: BaseException) -> str:
     return " -> ".join(dict.fromkeys(parts)) or type(exc).__name__
 
 
-def directory_problem(path: Path, fmt: str, shown: str, convert_args: str = "", mla: bool = False) -> Problem | None:
+def directory_problem(path: Path, fmt: str, shown: str, convert_args: str = "",
+                      mla: bool = False) -> Problem | None:
     """None when SGLang reads `path` as the EAGLE-3 draft it is (`mla`: an MLA draft, SGLang's MLA class; else its
     Llama draft); else why not, with the conversion (`convert_args`: the converter's options for this run's target
     and training layers; the converter writes an MLA draft in SGLang's MLA format)."""
@@ -72,7 +73,8 @@ def directory_problem(path: Path, fmt: str, shown: str, convert_args: str = "", 
     archs = list(getattr(config, "architectures", None) or [])
     # An MLA draft's own class (sglang-mla format) is SGLang's MLA EAGLE-3 draft (models/kimi_k25_eagle3.py).
     if not archs or archs[0] not in (served, *((sglang_mla.ARCHITECTURE,) if fmt == sglang_mla.NAME else ())):
-        return Problem("SGLang would not build an EAGLE-3 draft from this directory", where,
+        return Problem(f"SGLang would not build {'its MLA' if mla else 'an'} EAGLE-3 draft from this directory",
+                       where,
                        f"architectures {archs}: SGLang builds {archs[0] if archs else 'nothing'}, not {served}",
                        "SGLang builds the class named by architectures[0] (sglang/srt/models/registry.py:93-104, "
                        "model_loader/utils.py:198-232)", fix, DIRECTORY, key="directory", remedy=CONVERT)
