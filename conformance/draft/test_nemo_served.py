@@ -145,10 +145,10 @@ def test_nemos_own_serving_export_gives_an_mla_draft_sglangs_llama_class(drafts,
     """NeMo's serve_sglang names SGLang's Llama draft class for every EAGLE-3 draft
     (`_SGLANG_ARCHITECTURE_FOR_ALGORITHM`, speculative/serve_sglang.py:93-95, written at :147-150), its MLA draft's
     too: SGLang then builds LlamaForCausalLMEagle3 from the DeepSeek-V3 config (a Llama attention, the target's depth
-    of layers), and every MLA attention tensor but o_proj reaches nothing, without a word (llama_eagle3.py:363, 373); the Llama attention's
-    qkv_proj is never loaded. The user's check names it (SGLang would not build its MLA draft: the directory's
-    problem) and the converter's default turns NeMo's saved directory into SGLang's MLA class instead, every tensor
-    landing. Observed on a copy, with NeMo's own function."""
+    of layers), and every MLA attention tensor but o_proj reaches nothing, without a word (llama_eagle3.py:363,
+    373); the Llama attention's qkv_proj is never loaded. The user's check names it (SGLang would not build its MLA
+    draft: the directory's problem) and the converter's default turns NeMo's saved directory into SGLang's MLA class
+    instead, every tensor landing. Observed on a copy, with NeMo's own function."""
     from nemo_automodel.components.speculative.serve_sglang import resolve_draft_artifacts
 
     from conformance.checkpoints.formats import sglang_mla
