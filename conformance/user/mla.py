@@ -2,7 +2,9 @@
 models/kimi_k25_eagle3.py) in the verdict: what of SGLang's MLA draft the user checks run, through the same machinery
 as conformance/draft/test_mla_sglang.py (conformance/adapters/sglang/mla.py, weights.account_mla).
 
-SGLang loads the user's directory as written (a copy: config.json copied, weights linked). Its load is accounted for
+SGLang loads the user's directory as written (a copy: config.json copied, weights linked) when it is in SGLang's MLA
+format, else this suite's conversion into it (NeMo's saved MLA draft: conformance/user/store.py
+sglang_reads_as_written; the directory as written is then the verdict's first problem). Its load is accounted for
 tensor by tensor (account_mla), judged with SGLang's MLA entries (mla.entries(): the registry's sglang-mla-*). Its
 chain (step 0, then teacher-forced DECODE steps over its own MLA KV pool: the MLA column's LoadedMLA.run) is
 compared with the reference draft's whole pass on the user's samples and aux states, stage by stage as the matrix
@@ -43,7 +45,8 @@ def known(case, areas=("accounting", "load")) -> tuple:
 
 
 def account(store):
-    """SGLang's MLA draft loaded from the user's directory as written (the store's copy), accounted for."""
+    """SGLang's MLA draft loaded from the directory the store gives it (the user's, or the conversion), accounted
+    for."""
     return SERVER_MLA.account(store.directory(IMPL, store.case), store.plan.accounting)
 
 
