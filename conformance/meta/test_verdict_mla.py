@@ -217,29 +217,35 @@ def test_q_without_lora_is_refused_by_sglangs_mla_draft(preloaded, tmp_path):
 
 # ---------------------------------------------------------------- a draft NeMo Automodel saved
 
-def test_a_nemo_saved_mla_draft_is_converted_and_served_as_trained(preloaded, tmp_path):
+@pytest.mark.parametrize("prepared,fmt", [(None, "nemo"), ("sglang", "nemo-sglang")],
+                         ids=["as_saved", "prepared_by_serve_sglang"])
+def test_a_nemo_saved_mla_draft_is_converted_and_served_as_trained(prepared, fmt, preloaded, tmp_path):
     """NeMo Automodel 0.7.0's MLA draft as its checkpointer writes it (the example generator's write_as_trained: the
     NeMo adapter's save_checkpoint, NeMo's own Checkpointer.save_model): architectures LlamaEagle3DraftModel, the
-    target's DeepseekV3Config and depth, `model.`-prefixed tensors in one shard. SGLang cannot build it as written
-    (registry sglang-nemo-mla-format-architecture-unknown); the printed fix converts it into SGLang's MLA format
-    (the converter's default for an MLA draft), and the check it prints after that finds nothing left to fix."""
-    from conformance.user.example_draft import write_as_trained
+    target's DeepseekV3Config and depth, `model.`-prefixed tensors in one shard; or that directory after NeMo's own
+    SGLang helper (serve_sglang) renamed its class to SGLang's Llama draft's. SGLang cannot build its MLA draft from
+    either as written (the first: no class, registry sglang-nemo-mla-format-architecture-unknown; the second: its
+    Llama draft, which drops the MLA attention, conformance/draft/test_nemo_served.py); the printed fix converts it into SGLang's MLA format (the converter's
+    default for an MLA draft), and the check it prints after that finds nothing left to fix."""
+    from conformance.user.example_draft import prepare_as_trainer, write_as_trained
     from fixtures.cases import CASES_BY_ID
     from fixtures.tiny import make_draft_weights
 
     case = CASES_BY_ID["mla_q_lora"]   # what NeMo trains: q LoRA, interleaved plain rope (no yarn: registry nemo-mla-*)
     draft = write_as_trained(case.config, make_draft_weights(case.config, torch.Generator().manual_seed(SEED)),
                              tmp_path / "saved", "nemo")
+    if prepared:
+        draft = prepare_as_trainer(draft, "nemo", prepared)
     written = {p.name: p.read_bytes() for p in draft.iterdir()}
-    assert open_checkpoint(draft).format == "nemo"
+    assert open_checkpoint(draft).format == fmt
     result, report = check(preloaded, draft)
     block = verdict_block(result.stdout)
     m = headline(result)
     assert result.returncode == EXIT_NOT_SERVED and m[2] == "1", block
     verdict = verdict_json(report)
-    assert verdict["trainer"].startswith("nemo (") and "nemo format" in verdict["draft"], verdict
+    assert verdict["trainer"].startswith("nemo (") and f"({fmt} format)" in verdict["draft"], verdict
     problem, = verdict["problems"]
-    assert problem["where"].startswith("config.json (nemo format)"), problem
+    assert problem["where"] == f"config.json ({fmt} format)", problem
     assert "Eagle3DeepseekV2ForCausalLM" in problem["fix"], problem
     ran = {c["nodeid"].rsplit("::", 1)[-1]: c["outcome"] for c in
            json.loads((report / "report.json").read_text())["comparisons"] if c["impl"] == "sglang"}
