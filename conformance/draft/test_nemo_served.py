@@ -37,10 +37,10 @@ pytestmark = pytest.mark.cpu
 SERVER = DEFAULT_SERVER   # NeMo's own serving helper is for SGLang, the default server
 SERVERS = [impl for impl in ALL_IMPLEMENTATIONS if ADAPTERS[impl].is_server]
 STEPS = 7
-# NeMo's Llama drafts: its MLA drafts' directories served by the servers are issue 26's point 3 (weight accounting and
-# checkpoint formats for MLA drafts), not yet here.
-STEP0 = [c for c in STEP0_CASES if not nemo.inexpressible(c.config) and c.config.draft_arch != "mla"]
-MULTISTEP = [c for c in MULTISTEP_CASES if not nemo.inexpressible(c.config) and c.config.draft_arch != "mla"]
+# NeMo's Llama drafts and its MLA drafts (DeepseekV3Eagle3DraftModel: the mla_* cases NeMo can train), each served
+# from the format the server serves that draft from (its adapter's format_for: SGLang's MLA class has its own).
+STEP0 = [c for c in STEP0_CASES if not nemo.inexpressible(c.config)]
+MULTISTEP = [c for c in MULTISTEP_CASES if not nemo.inexpressible(c.config)]
 
 
 class ConvertedStore(DraftStore):
@@ -50,7 +50,7 @@ class ConvertedStore(DraftStore):
     def directory(self, impl: str, case) -> Path:
         if impl not in SERVERS:
             return super().directory(impl, case)
-        fmt = ADAPTERS[impl].checkpoint_format
+        fmt = ADAPTERS[impl]().format_for(case.config)
         out = self.root / case.id / f"nemo-converted-{fmt}"
         if not out.exists():
             code = convert.main([str(self.checkpoint(case)[nemo.NAME]), str(out), "--format", fmt])
@@ -89,7 +89,7 @@ def test_conversion_keeps_every_tensor_and_writes_the_servers_format(impl, case,
     """The converted directory holds NeMo's tensors bit for bit under the server's names, and the config.json the
     server's own format writes for the case (the ids NeMo's default gives its target depth)."""
     out = converted.directory(impl, case)
-    own = converted.checkpoint(case)[ADAPTERS[impl].checkpoint_format]
+    own = converted.checkpoint(case)[ADAPTERS[impl]().format_for(case.config)]
     assert json.loads((out / CONFIG_FILE).read_text()) == json.loads((own / CONFIG_FILE).read_text())
     got, want = read_weights(out), read_weights(converted.checkpoint(case)[nemo.NAME])
     assert set(got) == set(want), sorted(set(got) ^ set(want))
@@ -139,3 +139,37 @@ def test_nemos_own_serving_export_keeps_the_targets_depth(drafts, tmp_path):
              if p.startswith("model.layers.") and p.split(".")[2] != "0"}
     assert later and set(acct.never_loaded) == later, (sorted(later ^ set(acct.never_loaded)), acct.row(case.id))
     assert not acct.dropped and len(acct.landed) == acct.tensors - len(acct.ignored)
+
+
+def test_nemos_own_serving_export_gives_an_mla_draft_sglangs_llama_class(drafts, tmp_path):
+    """NeMo's serve_sglang names SGLang's Llama draft class for every EAGLE-3 draft
+    (`_SGLANG_ARCHITECTURE_FOR_ALGORITHM`, speculative/serve_sglang.py:93-95, written at :147-150), its MLA draft's
+    too: SGLang then builds LlamaForCausalLMEagle3 from the DeepSeek-V3 config (a Llama attention, the target's depth
+    of layers), and every MLA attention tensor but o_proj reaches nothing, without a word (llama_eagle3.py:363,
+    373); the Llama attention's qkv_proj is never loaded. The user's check names it (SGLang would not build its MLA
+    draft: the directory's problem) and the converter's default turns NeMo's saved directory into SGLang's MLA class
+    instead, every tensor landing. Observed on a copy, with NeMo's own function."""
+    from nemo_automodel.components.speculative.serve_sglang import resolve_draft_artifacts
+
+    from conformance.checkpoints.formats import sglang_mla
+    from conformance.user.servable import directory_problem
+
+    case = next(c for c in STEP0 if c.config.draft_arch == "mla" and c.config.q_lora_rank is not None)
+    saved = drafts.checkpoint(case)[nemo.NAME]
+    copy = shutil.copytree(saved, tmp_path / "consolidated")
+    resolve_draft_artifacts(str(copy), "EAGLE3")
+    assert json.loads((copy / CONFIG_FILE).read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    acct = account(SERVER, copy)
+    attention = {n for n in read_weights(copy, stored_names=True) if ".self_attn." in n}
+    assert set(acct.dropped) == {n for n in attention if ".o_proj." not in n}, acct.row(case.id)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in acct.never_loaded, acct.row(case.id)
+    problem = directory_problem(copy, "nemo-sglang", copy.name, mla=True)
+    assert problem is not None and "LlamaForCausalLMEagle3" in problem.evidence, problem
+
+    out = tmp_path / "converted"
+    assert convert.main([str(saved), str(out)]) == 0   # no --format: SGLang's MLA format for an MLA draft
+    assert json.loads((out / CONFIG_FILE).read_text())["architectures"] == [sglang_mla.ARCHITECTURE]
+    converted_acct = account(SERVER, out)
+    assert not converted_acct.problems and len(converted_acct.landed) + len(converted_acct.ignored) == \
+        converted_acct.tensors == len(read_weights(saved)), converted_acct.row(case.id)
+    assert directory_problem(out, sglang_mla.NAME, out.name, mla=True) is None

@@ -9,14 +9,18 @@ either of TorchSpec's tensor layouts. On the real Kimi-K2.5 target config:
     and vLLM's is not built, and neither is asked: the verdict says whom it judged);
   - with the chain alone, SGLang refuses to start: Kimi-K2.5's context (262144) is longer than the draft's positions
     (DeepseekV3Config's default, the published config states none): exit 1, that one problem;
-  - with norm_before_fc (an `input_norm.weight`), SGLang's MLA draft drops the norm at load: exit 1, one problem
-    naming its file:line and the fix, and the forward's departure at the logits;
-  - a malformed MLA config is bad input: exit 4, one line naming the file and the field.
+  - with norm_before_fc (an `input_norm.weight`), SGLang's MLA draft drops the norm at load and its forward has no
+    input norm stage: exit 1, the two registered problems, each naming its file:line and the fix;
+  - a malformed MLA config is bad input: exit 4, one line naming the file and the field;
+  - a draft NeMo Automodel saved (its MLA draft, DeepseekV3Eagle3DraftModel, through its own checkpointer): the trainer
+    is detected as NeMo, SGLang cannot read the directory as written (the one problem, with the conversion into
+    SGLang's MLA format as its printed fix), and the conversion, checked, is served as trained.
 """
 from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -25,8 +29,10 @@ import torch
 
 from conformance.checkpoints import open_checkpoint
 from conformance.checkpoints.errors import CheckpointError
+from conformance.meta.planted_sglang import PLANT_ENV, PLUGIN
 from conformance.meta.preloaded import Preloaded
-from conformance.meta.test_verdict import HEADLINE, KIMI, NO_XDIST, NOT_CHECKED, verdict_block
+from conformance.meta.test_verdict import (HEADLINE, KIMI, NO_XDIST, NOT_CHECKED, Printed, assert_fixes_fix,
+                                          verdict_block)
 from conformance.user.verdict import EXIT_BAD_INPUT, EXIT_NOT_SERVED, EXIT_SERVED, NOT_SERVED, SERVED
 from fixtures.mla import ABSENT, LAYOUTS, make_mla_config, make_mla_weights, write_mla_checkpoint
 
@@ -53,12 +59,15 @@ def preloaded(tmp_path_factory):
     process.close()
 
 
-def check(preloaded: Preloaded, draft: Path, *args: str):
-    """`eagle3-conformance check DRAFT ARGS` from an empty directory outside the draft's; (result, report dir)."""
+def check(preloaded: Preloaded, draft: Path, *args: str, planted: str | None = None):
+    """`eagle3-conformance check DRAFT ARGS` from an empty directory outside the draft's; (result, report dir).
+    `planted`: a source_patcher config applied to SGLang in that run alone (conformance/meta/planted_sglang.py)."""
     report, cwd = draft.parent / "report", draft.parent / "cwd"
     cwd.mkdir()
+    plant = PLUGIN if planted else ()
     result = preloaded.run([sys.executable, "-m", "conformance.cli", "check", str(draft), *args, "--report",
-                            str(report), "--", *NO_XDIST], cwd=cwd)
+                            str(report), "--", *NO_XDIST, *plant], cwd=cwd,
+                           env={PLANT_ENV: planted} if planted else None)
     return result, report
 
 
@@ -99,8 +108,8 @@ def test_a_malformed_mla_config_names_its_field(changes, field, tmp_path):
 # ---------------------------------------------------------------- the verdict, as the user runs it
 
 def test_the_published_shape_is_served_as_trained_on_kimi(preloaded, tmp_path):
-    """Every check that exists for an MLA draft ran and passed: SGLang's load, bit for bit; its chain's attention
-    stages and logits at step 0 and over 3 teacher-forced steps, fp32 and bf16; the target wiring on Kimi-K2.5's
+    """Every check that exists for an MLA draft ran and passed: SGLang's load, bit for bit; every stage its MLA
+    column claims at step 0 and over 3 teacher-forced steps, fp32 and bf16; the target wiring on Kimi-K2.5's
     class; the server flags of a chain within the draft's positions. In TorchSpec's `--vllm` layout: the other
     (`midlayer.*`) is read as one above and lands bit for bit in SGLang (draft/test_mla_sglang.py); a whole
     verdict on it (12 s) would check the same again."""
@@ -137,10 +146,41 @@ def test_norm_before_fc_is_dropped_by_sglangs_mla_draft(preloaded, tmp_path):
                            f"--sglang-args={CHAIN} --context-length {positions}")
     m = headline(result)
     block = verdict_block(result.stdout)
-    assert result.returncode == EXIT_NOT_SERVED and m[0].startswith(f"VERDICT: {NOT_SERVED}") and m[2] == "1", block
+    assert result.returncode == EXIT_NOT_SERVED and m[0].startswith(f"VERDICT: {NOT_SERVED}") and m[2] == "2", block
     for named in ("dropped silently: input_norm.weight", "kimi_k25_eagle3.py:494-496",
-                  "retrain without it: norm_before_fc false", "stage `logits`"):
+                  "retrain without it: norm_before_fc false", "stage `fc_in_norm`", "kimi_k25_eagle3.py:285-293"):
         assert named in block, (named, block)
+    # the load's drop and the forward's missing norm, each its registered entry, one fix
+    assert [p["registry_id"] for p in verdict_json(report)["problems"]] == [
+        "sglang-mla-input-norm-dropped-at-load", "sglang-mla-input-norm-skipped"], verdict_json(report)["problems"]
+
+
+# Planted in SGLang's DeepSeek MLP, the MLA draft layer's (models/deepseek_v2.py DeepseekV2MLP.forward): its gate/up
+# projection's output scaled, so the MLP's output is the first stage that differs.
+MLP_SCALED = """
+patches:
+  - target: sglang.srt.models.deepseek_v2.DeepseekV2MLP.forward
+    edits:
+      - match: |
+          gate_up, _ = self.gate_up_proj(x)
+        replacement: |
+          gate_up, _ = self.gate_up_proj(x)
+          gate_up = gate_up * 1.25
+"""
+
+
+def test_a_fault_outside_the_attention_is_named_at_its_stage(preloaded, tmp_path):
+    """Planted in SGLang's MLA draft's MLP, in the user's run alone: the verdict names the MLP's output, step 0, in
+    every forward check that ran (the user checks compare every stage SGLang's MLA column claims, not only the
+    attention's and the logits)."""
+    # No target: SGLang's DeepSeek target class, whose capture the wiring check runs, has the same MLP.
+    result, report = check(preloaded, mla_draft(tmp_path), planted=MLP_SCALED)
+    block = verdict_block(result.stdout)
+    m = headline(result)
+    assert result.returncode == EXIT_NOT_SERVED and m[0].startswith(f"VERDICT: {NOT_SERVED}") and m[2] == "1", block
+    forward = [c for c in json.loads((report / "report.json").read_text())["comparisons"] if c["impl"] == "sglang"]
+    assert forward and all(c["outcome"] != "pass" for c in forward), forward
+    assert "draft step 0, stage `layers.0.mlp_out`" in block, block
 
 
 @pytest.mark.parametrize("changes", [dict(kv_lora_rank=ABSENT), dict(kv_lora_rank="16")],
@@ -173,3 +213,45 @@ def test_q_without_lora_is_refused_by_sglangs_mla_draft(preloaded, tmp_path):
     assert result.returncode == EXIT_NOT_SERVED and m[2] == "1", block
     for named in ("cannot load this draft", "requires q_lora_rank", "kimi_k25_eagle3.py:113-117"):
         assert named in block, (named, block)
+
+
+# ---------------------------------------------------------------- a draft NeMo Automodel saved
+
+@pytest.mark.parametrize("prepared,fmt", [(None, "nemo"), ("sglang", "nemo-sglang")],
+                         ids=["as_saved", "prepared_by_serve_sglang"])
+def test_a_nemo_saved_mla_draft_is_converted_and_served_as_trained(prepared, fmt, preloaded, tmp_path):
+    """NeMo Automodel 0.7.0's MLA draft as its checkpointer writes it (the example generator's write_as_trained: the
+    NeMo adapter's save_checkpoint, NeMo's own Checkpointer.save_model): architectures LlamaEagle3DraftModel, the
+    target's DeepseekV3Config and depth, `model.`-prefixed tensors in one shard; or that directory after NeMo's own
+    SGLang helper (serve_sglang) renamed its class to SGLang's Llama draft's. SGLang cannot build its MLA draft from
+    either as written (the first: no class, registry sglang-nemo-mla-format-architecture-unknown; the second: its
+    Llama draft, which drops the MLA attention, conformance/draft/test_nemo_served.py); the printed fix converts it
+    into SGLang's MLA format (the converter's default for an MLA draft), and the check it prints after that finds
+    nothing left to fix."""
+    from conformance.user.example_draft import prepare_as_trainer, write_as_trained
+    from fixtures.cases import CASES_BY_ID
+    from fixtures.tiny import make_draft_weights
+
+    case = CASES_BY_ID["mla_q_lora"]   # what NeMo trains: q LoRA, interleaved plain rope (no yarn: registry nemo-mla-*)
+    draft = write_as_trained(case.config, make_draft_weights(case.config, torch.Generator().manual_seed(SEED)),
+                             tmp_path / "saved", "nemo")
+    if prepared:
+        draft = prepare_as_trainer(draft, "nemo", prepared)
+    written = {p.name: p.read_bytes() for p in draft.iterdir()}
+    assert open_checkpoint(draft).format == fmt
+    result, report = check(preloaded, draft)
+    block = verdict_block(result.stdout)
+    m = headline(result)
+    assert result.returncode == EXIT_NOT_SERVED and m[2] == "1", block
+    verdict = verdict_json(report)
+    assert verdict["trainer"].startswith("nemo (") and f"({fmt} format)" in verdict["draft"], verdict
+    problem, = verdict["problems"]
+    assert problem["where"] == f"config.json ({fmt} format)", problem
+    assert "Eagle3DeepseekV2ForCausalLM" in problem["fix"], problem
+    ran = {c["nodeid"].rsplit("::", 1)[-1]: c["outcome"] for c in
+           json.loads((report / "report.json").read_text())["comparisons"] if c["impl"] == "sglang"}
+    assert ran and set(ran.values()) == {"pass"}, ran   # SGLang's MLA draft on the conversion: every stage it claims
+    assert {p.name: p.read_bytes() for p in draft.iterdir()} == written, "the check wrote into the user's draft"
+    printed = Printed.of(result.stdout)
+    assert printed.fixed == [1] and "conformance.user.convert" in printed.fixes[0], printed
+    assert_fixes_fix(printed, lambda command: preloaded.run(shlex.split(command), cwd=tmp_path))

@@ -59,6 +59,8 @@ FIXES = {
         "write \"draft_vocab_size\": {vocab_size} into config.json: SGLang then serves the draft's own lm_head",
     "sglang-mla-input-norm-dropped-at-load":
         f"{RETRAIN}: norm_before_fc false (SGLang's MLA draft has no input norm over the aux states)",
+    "sglang-mla-input-norm-skipped":
+        f"{RETRAIN}: norm_before_fc false (SGLang's MLA draft has no input norm over the aux states)",
     "sglang-mla-requires-q-lora": f"{RETRAIN}: with a q_lora_rank (q_a_proj, q_a_layernorm, q_b_proj)",
     "specforge-yarn-without-beta-and-mscale":
         "write the yarn defaults into rope_scaling: beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 0",

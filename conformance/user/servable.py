@@ -48,13 +48,16 @@ def raise_site(exc: BaseException) -> str:
     return " -> ".join(dict.fromkeys(parts)) or type(exc).__name__
 
 
-def directory_problem(path: Path, fmt: str, shown: str, convert_args: str = "") -> Problem | None:
-    """None when SGLang reads `path` as an EAGLE-3 Llama draft; else why not, with the conversion
-    (`convert_args`: the converter's options for this run's target and training layers)."""
+def directory_problem(path: Path, fmt: str, shown: str, convert_args: str = "",
+                      mla: bool = False) -> Problem | None:
+    """None when SGLang reads `path` as the EAGLE-3 draft it is (`mla`: an MLA draft, SGLang's MLA class; else its
+    Llama draft); else why not, with the conversion (`convert_args`: the converter's options for this run's target
+    and training layers; the converter writes an MLA draft in SGLang's MLA format)."""
     from sglang.srt.utils.hf_transformers.mistral_utils import is_mistral_model
 
+    served = sglang_mla.ARCHITECTURE if mla else DRAFT_CLASS
     ids = "for the target's class" if "--target-config" in convert_args else "in SGLang's eagle_config convention"
-    fix = (f"convert it into {shown}-sglang beside it with this suite's converter (architectures {DRAFT_CLASS}, "
+    fix = (f"convert it into {shown}-sglang beside it with this suite's converter (architectures {served}, "
            f"aux ids {ids}, every tensor unchanged: the command ends the verdict); the rest of this verdict judges "
            "that conversion")
     what, where = "SGLang cannot read this directory as written", f"{CONFIG_FILE} ({fmt} format)"
@@ -69,9 +72,10 @@ def directory_problem(path: Path, fmt: str, shown: str, convert_args: str = "") 
                        remedy="" if is_mistral_model(path) else CONVERT)
     archs = list(getattr(config, "architectures", None) or [])
     # An MLA draft's own class (sglang-mla format) is SGLang's MLA EAGLE-3 draft (models/kimi_k25_eagle3.py).
-    if not archs or archs[0] not in (DRAFT_CLASS, *((sglang_mla.ARCHITECTURE,) if fmt == sglang_mla.NAME else ())):
-        return Problem("SGLang would not build an EAGLE-3 draft from this directory", where,
-                       f"architectures {archs}: SGLang builds {archs[0] if archs else 'nothing'}, not {DRAFT_CLASS}",
+    if not archs or archs[0] not in (served, *((sglang_mla.ARCHITECTURE,) if fmt == sglang_mla.NAME else ())):
+        return Problem(f"SGLang would not build {'its MLA' if mla else 'an'} EAGLE-3 draft from this directory",
+                       where,
+                       f"architectures {archs}: SGLang builds {archs[0] if archs else 'nothing'}, not {served}",
                        "SGLang builds the class named by architectures[0] (sglang/srt/models/registry.py:93-104, "
                        "model_loader/utils.py:198-232)", fix, DIRECTORY, key="directory", remedy=CONVERT)
     return None

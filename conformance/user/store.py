@@ -56,6 +56,16 @@ RANDOM_LENGTHS = (9, 5, 12)                 # token counts when no training data
 SGLANG_LAZY_IMPORTS = ("sglang.srt.utils.torch_memory_saver_adapter", "sglang.srt.model_executor.runner")
 
 
+def sglang_reads_as_written(fmt: str, cfg: Eagle3Config) -> bool:
+    """Whether SGLang serves a directory in `fmt` as written: a format of its family, and for an MLA draft only the
+    format of its MLA class (the others name its Llama draft's class: NeMo's serve_sglang writes
+    LlamaForCausalLMEagle3 for every draft, speculative/serve_sglang.py:93-95, which builds a Llama layer and
+    drops the MLA attention's tensors, conformance/draft/test_nemo_served.py)."""
+    server = ADAPTERS[DEFAULT_SERVER]
+    own_format = server().format_for(cfg)
+    return fmt in SGLANG_FAMILY and (own_format == server.checkpoint_format or fmt == own_format)
+
+
 def used_samples(inputs: UserInputs) -> list[Sample]:
     if inputs.samples is not None:
         return first_samples(inputs.samples)
@@ -86,7 +96,7 @@ class UserDraftStore(DraftStore):
     @property
     def converted(self) -> bool:
         """Whether SGLang gets this suite's conversion instead of the directory as written."""
-        return self.inputs.checkpoint.format not in SGLANG_FAMILY
+        return not sglang_reads_as_written(self.inputs.checkpoint.format, self.inputs.config)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The user's tensors as the implementations get them (_weights)."""
@@ -120,9 +130,11 @@ class UserDraftStore(DraftStore):
 
             dirs = {}
             for fmt in ("speculators", "sglang"):
-                if src.format == fmt or (fmt == "sglang" and src.format in SGLANG_FAMILY):
+                if src.format == fmt or (fmt == "sglang" and sglang_reads_as_written(src.format, cfg)):
                     dirs[fmt] = _as_written(src, root / fmt, weights)
                     self.written_formats.add(fmt)
+                elif fmt == "sglang":   # the format SGLang serves the draft from (an MLA draft's: sglang-mla)
+                    dirs[fmt] = converted(ADAPTERS[DEFAULT_SERVER]().format_for(cfg), root / fmt)
                 else:
                     dirs[fmt] = converted(fmt, root / fmt)
             if "sglang" not in self.written_formats:

@@ -88,7 +88,8 @@ def test_user_draft_sglang_reads_the_directory(user_draft, report, verdict, requ
     """SGLang's own config reader on the directory as the user has it (never written to)."""
     report_once(user_draft, report, verdict)
     ckpt = user_draft.inputs.checkpoint
-    problem = directory_problem(ckpt.path, ckpt.format, ckpt.path.name, user_draft.convert_args())
+    problem = directory_problem(ckpt.path, ckpt.format, ckpt.path.name, user_draft.convert_args(),
+                                mla=mla.is_mla(user_draft.inputs))
     if problem is not None:
         fail(problem, verdict, request.node.nodeid, f"{problem.what}: {problem.evidence}", repro)
 
@@ -142,7 +143,7 @@ def check_forward(store, report, verdict, impl: str, dtype_name: str, nodeid: st
 
 
 def check_mla_forward(store, report, verdict, dtype_name: str, nodeid: str, repro: str, steps: int):
-    """SGLang's MLA draft (conformance/user/mla.py): its chain's attention stages and logits against the reference."""
+    """SGLang's MLA draft (conformance/user/mla.py): every stage its MLA column claims against the reference."""
     __tracebackhide__ = True
     cfg = store.inputs.config
     try:

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from conformance.checkpoints import weight_files
-from conformance.loading.accounting import Accounting, finite, load_and_count, observed_knobs, rope_text, vocab_map
+from conformance.loading.accounting import (Accounting, finite, load_and_count, mla_text, observed_knobs, rope_text,
+                                            vocab_map)
 from conformance.loading.observed_loaders import observed_weight_loaders
 
 # SGLang's rotary classes by the rope_type they implement (layers/rotary_embedding/).
@@ -164,7 +165,8 @@ def _shard_rows(model, pname: str, shard) -> tuple[int, int] | None:
 def account_mla(ckpt_dir: Path, dtype: torch.dtype) -> tuple[Accounting, object | None]:
     """SGLang's MLA EAGLE-3 draft (models/kimi_k25_eagle3.py) built and loaded from `ckpt_dir` as SGLang resolves
     it, its load replayed and accounted for as the Llama draft's; (the account, the loaded model or None when
-    SGLang refused it). Its knobs are not observed here (the MLA draft has no stage recorder yet)."""
+    SGLang refused it). Its knobs are what its built modules state (_mla_knobs); what only running a layer shows
+    (the residual, the window) is not observed here: its MLA layer has no stage recorder."""
     from conformance.adapters.sglang.draft_model import NAME, load_model
 
     acct, ckpt, model = load_and_count(NAME, ckpt_dir, lambda: load_model(ckpt_dir, dtype))
@@ -180,4 +182,22 @@ def account_mla(ckpt_dir: Path, dtype: torch.dtype) -> tuple[Accounting, object 
         "d2t": "hot_token_id = d2t + arange" if model.get_hot_token_id() is not None
                else "none: draft ids used as target ids",
     }
+    acct.knobs = _mla_knobs(model)
     return acct, model
+
+
+def _mla_knobs(model) -> dict:
+    """The knobs Eagle3DeepseekV2ForCausalLM's built modules state (models/kimi_k25_eagle3.py:191-255): the aux
+    width fc takes, the norms it builds, the MLA widths, the vocabularies; named as the reference's account names
+    them (conformance/adapters/reference.py knobs), so a conversion's check compares them (user/servable.py)."""
+    inner, cfg = model.model, model.config
+    attn = inner.midlayer.self_attn
+    return {
+        "aux states x width": f"{inner.num_aux_hidden_states} x {inner.fc.input_size // inner.num_aux_hidden_states}",
+        "norm_before_fc": getattr(inner, "input_norm", None) is not None,   # Eagle3MLAModel builds none
+        "fc_norm": inner.fc_norm is not None,
+        "norm_output": bool(inner.norm_output),
+        "mla": mla_text(attn.q_lora_rank, attn.kv_lora_rank, attn.qk_nope_head_dim, attn.qk_rope_head_dim,
+                        attn.v_head_dim),
+        "vocab / draft vocab": f"{cfg.vocab_size}/{getattr(cfg, 'draft_vocab_size', None) or cfg.vocab_size}",
+    }
