@@ -57,6 +57,9 @@ FIXES = {
     "sglang-sink-size-ignored": "drop --speculative-draft-sink-size (the draft attends without sink tokens)",
     "sglang-lm-head-from-target-without-draft-vocab":
         "write \"draft_vocab_size\": {vocab_size} into config.json: SGLang then serves the draft's own lm_head",
+    "sglang-mla-fc-skipped-when-widths-coincide":
+        f"{RETRAIN}: SGLang's MLA draft skips fc whenever num_aux_hidden_states * target_hidden_size == hidden_size "
+        "({num_aux_hidden_states} * {target_hidden_size} == {hidden_size}); retrain with another hidden_size",
     "sglang-mla-input-norm-dropped-at-load":
         f"{RETRAIN}: norm_before_fc false (SGLang's MLA draft has no input norm over the aux states)",
     "sglang-mla-input-norm-skipped":
