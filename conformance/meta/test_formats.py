@@ -30,6 +30,7 @@ NEMO_CASES = [c for c in ALL_CASES if c.id in (
     "ms_target_hidden", "ms_rope_yarn", "ms_positions_from_1", "ms_chunked_extend", "default_nemo_0_7",
     # and its MLA draft (draft_deepseek.py), interleaved RoPE only
     "mla_q_lora", "mla_direct_q", "mla_rope_yarn", "mla_rope_yarn_defaults", "mla_eagle3_1", "mla_deep_positions",
+    "mla_full_vocab",
     "ms_mla_q_lora", "ms_mla_direct_q_yarn", "ms_mla_eagle3_1")]
 LLAMA_LAYER_CASES = [c for c in ALL_CASES if c.config.draft_arch != "mla"]   # SGLang's Llama-layer formats
 MLA_CASES = [c for c in ALL_CASES if c.config.draft_arch == "mla"]   # SGLang's MLA class's format
