@@ -61,8 +61,9 @@ FIXES = {
         f"{RETRAIN}: SGLang's MLA draft skips fc whenever num_aux_hidden_states * target_hidden_size == hidden_size "
         "({num_aux_hidden_states} * {target_hidden_size} == {hidden_size}); retrain with another hidden_size",
     "sglang-mla-fc-norm-skipped-when-widths-coincide":
-        f"{RETRAIN}: SGLang's MLA draft skips fc and fc_norm whenever num_aux_hidden_states * target_hidden_size == "
-        "hidden_size ({num_aux_hidden_states} * {target_hidden_size} == {hidden_size}); retrain with another hidden_size",
+        f"{RETRAIN}: SGLang's MLA draft skips fc and fc_norm whenever num_aux_hidden_states * target_hidden_size "
+        "== hidden_size ({num_aux_hidden_states} * {target_hidden_size} == {hidden_size}); retrain with another "
+        "hidden_size",
     "sglang-mla-input-norm-dropped-at-load":
         f"{RETRAIN}: norm_before_fc false (SGLang's MLA draft has no input norm over the aux states)",
     "sglang-mla-input-norm-skipped":
