@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from conformance.adapters.vllm.process import DTYPE_NAMES, Worker
 from conformance.checkpoints import WEIGHTS_FILE
 from conformance.loading import accounting
-from conformance.loading.accounting import Accounting, finite, load_and_count, vocab_map
+from conformance.loading.accounting import Accounting, load_and_count
 from reference.eagle3 import Eagle3Config
 
 # Why the MLA draft's forward does not run in this lane (the support matrix's vLLM cell, every skipped comparison).
@@ -120,7 +120,7 @@ def account(ckpt_dir: Path, dtype: torch.dtype) -> Accounting:
     (weights.py): every landing bit for bit, q_a_proj / kv_a_proj_with_mqa in their rows of fused_qkv_a_proj (its
     `output_sizes`), d2t on draft_id_to_target_id, t2d skipped by its own code (deepseek_eagle3.py:376-377). With no
     forward run, every parameter no tensor filled is never loaded."""
-    from conformance.adapters.vllm.weights import SHARED, uses
+    from conformance.adapters.vllm.weights import land_calls, uses
 
     def observed_load():
         worker = Worker.get()
@@ -133,17 +133,8 @@ def account(ckpt_dir: Path, dtype: torch.dtype) -> Accounting:
     if got is None:
         return acct
     answer, params = got
-    for ckpt_name, pname, rows in answer["calls"]:
-        acct.land_rows(ckpt_name, pname, params[pname], rows, ckpt.get(ckpt_name, torch.empty(0)))
-    reached = {name for name, _, _ in answer["calls"]}
-    for name in sorted(set(ckpt) - reached):
-        (acct.ignored if "t2d" in name else acct.dropped).append(name)
-    shared = {SHARED[what] for what, own in answer["own"].items() if not own}
-    derived = absorbed(acct, ckpt, params, answer["calls"])
-    acct.never_loaded = sorted(set(params) - {pname for _, pname, _ in answer["calls"]} - shared - derived)
-    acct.nan = sorted(n for n, p in params.items() if not finite(p))
-    sizes = answer["sizes"]
-    acct.vocab_map = vocab_map(ckpt, sizes["vocab"], sizes["draft_vocab"])
+    unfilled = land_calls(acct, ckpt, params, answer)
+    acct.never_loaded = sorted(unfilled - absorbed(acct, ckpt, params, answer["calls"]))
     acct.uses = uses(answer, None)
     acct.knobs = {"class": answer["class"], "forward": f"not run: {FORWARD_NOT_RUN}"}
     return acct

@@ -19,6 +19,22 @@ from conformance.loading.accounting import finite, load_and_count, observed_knob
 SHARED = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
 
 
+def land_calls(acct, ckpt: dict, params: dict, answer: dict) -> set[str]:
+    """The worker's observed load (`answer`: its calls, what is the draft's own, its sizes) entered in `acct`: every
+    landing verified, the checkpoint tensors no call reached (t2d is skipped by vLLM's own code, llama_eagle3.py:426-427
+    and deepseek_eagle3.py:376-377; anything else reached nothing), parameters that are not finite, the vocabulary
+    map. -> the parameters no tensor filled that the draft does not take from the target."""
+    for ckpt_name, pname, rows in answer["calls"]:
+        acct.land_rows(ckpt_name, pname, params[pname], rows, ckpt.get(ckpt_name, torch.empty(0)))
+    reached = {name for name, _, _ in answer["calls"]}
+    for name in sorted(set(ckpt) - reached):
+        (acct.ignored if "t2d" in name else acct.dropped).append(name)
+    acct.nan = sorted(n for n, p in params.items() if not finite(p))
+    acct.vocab_map = vocab_map(ckpt, answer["sizes"]["vocab"], answer["sizes"]["draft_vocab"])
+    shared = {SHARED[what] for what, own in answer["own"].items() if not own}
+    return set(params) - {pname for _, pname, _ in answer["calls"]} - shared
+
+
 def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None, loaded):
     """`loaded`: the adapter's loaded-draft class, built on the worker's answer for the probe forward."""
 
@@ -34,17 +50,8 @@ def account(adapter, ckpt_dir: Path, dtype: torch.dtype, target: dict | None, lo
     if got is None:
         return acct
     loaded, answer, params = got
-    for ckpt_name, pname, rows in answer["calls"]:
-        acct.land_rows(ckpt_name, pname, params[pname], rows, ckpt.get(ckpt_name, torch.empty(0)))
-    reached = {name for name, _, _ in answer["calls"]}
-    for name in sorted(set(ckpt) - reached):
-        # t2d is skipped by its own code (llama_eagle3.py:426-427); anything else reached nothing
-        (acct.ignored if "t2d" in name else acct.dropped).append(name)
-    shared = {SHARED[what] for what, own in answer["own"].items() if not own}
-    never = sorted(set(params) - {pname for _, pname, _ in answer["calls"]} - shared)
-    acct.nan = sorted(n for n, p in params.items() if not finite(p))
+    never = sorted(land_calls(acct, ckpt, params, answer))
     sizes = answer["sizes"]
-    acct.vocab_map = vocab_map(ckpt, sizes["vocab"], sizes["draft_vocab"])
     acct.uses = uses(answer, target)
     knobs = dict(answer["knobs"])
     seen = observed_knobs(loaded, sizes["aux_width"], sizes["vocab"], ckpt, params)

@@ -23,14 +23,24 @@ def account(req: dict) -> dict:
     tensor by storage, not by iteration order. Answers the calls (tensor, parameter, rows of a fused one), the
     parameters after loading (a safetensors file: the adapter verifies each landing by value) and the knobs the
     built modules state; the adapter observes the rest by running the draft (`handle`)."""
-    from safetensors import safe_open
-
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
     answer = load(req)
     loaded: Loaded = STATE["loaded"][answer["handle"]]
     loaded.watch_runs()   # the adapter's probe run then says which modules run (`ran`)
     model = loaded.model
+    return {**answer, **observed_load_weights(model, req), "knobs": built_knobs(model),
+            "sizes": {"vocab": int(model.config.vocab_size), "draft_vocab": int(model.config.draft_vocab_size),
+                      "hidden": int(model.config.hidden_size),
+                      "aux_width": int(getattr(model.model, "fc_input_size", model.config.hidden_size))}}
+
+
+def observed_load_weights(model, req: dict) -> dict:
+    """`model.load_weights` over the checkpoint req["weights"] with every parameter's weight_loader observed, the
+    parameters afterwards written to req["params"]. -> {"calls": [checkpoint tensor, parameter, rows of a fused one],
+    "own": whether the embedding and the head are the draft's own}."""
+    from safetensors import safe_open
+
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
     params = dict(model.named_parameters())
     with safe_open(req["weights"], framework="pt") as f:
         ckpt = {name: f.get_tensor(name) for name in f.keys()}
@@ -44,12 +54,8 @@ def account(req: dict) -> dict:
     with observed_weight_loaders(params, default_weight_loader, record), torch.no_grad():
         model.load_weights(iter(ckpt.items()))
     save_file({name: p.detach().contiguous().clone() for name, p in params.items()}, req["params"])
-    return {**answer, "calls": calls, "knobs": built_knobs(model),
-            "own": {"embed_tokens": bool(getattr(model, "has_own_embed_tokens", True)),
-                    "lm_head": bool(getattr(model, "has_own_lm_head", True))},
-            "sizes": {"vocab": int(model.config.vocab_size), "draft_vocab": int(model.config.draft_vocab_size),
-                      "hidden": int(model.config.hidden_size),
-                      "aux_width": int(getattr(model.model, "fc_input_size", model.config.hidden_size))}}
+    return {"calls": calls, "own": {"embed_tokens": bool(getattr(model, "has_own_embed_tokens", True)),
+                                    "lm_head": bool(getattr(model, "has_own_lm_head", True))}}
 
 
 def ran(req: dict) -> dict:

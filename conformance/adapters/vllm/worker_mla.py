@@ -9,9 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from observed_loaders import observed_weight_loaders
 from safetensors.torch import save_file
-from worker_accounting import shard_rows
+from worker_accounting import observed_load_weights
 from worker_load import build
 
 
@@ -92,26 +91,7 @@ def mla_account(req: dict) -> dict:
     with every parameter's weight_loader observed; a call is tied to its checkpoint tensor by storage (the loader
     first collects the renamed tensors in a dict, deepseek_eagle3.py:370-398). Answers the calls (tensor, parameter,
     rows of a fused one), the parameters after loading (a safetensors file), what is its own, and the sizes."""
-    from safetensors import safe_open
-
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
     model, _, _ = build(req)
-    params = dict(model.named_parameters())
-    with safe_open(req["weights"], framework="pt") as f:
-        ckpt = {name: f.get_tensor(name) for name in f.keys()}
-    by_storage = {t.untyped_storage().data_ptr(): name for name, t in ckpt.items()}
-    calls: list[list] = []
-
-    def record(pname, tensor, shard):
-        name = by_storage.get(tensor.untyped_storage().data_ptr(), "<not a checkpoint tensor>")
-        calls.append([name, pname, shard_rows(model, pname, shard)])
-
-    with observed_weight_loaders(params, default_weight_loader, record), torch.no_grad():
-        model.load_weights(iter(ckpt.items()))
-    save_file({name: p.detach().contiguous().clone() for name, p in params.items()}, req["params"])
-    return {"calls": calls, "class": type(model).__name__,
-            "own": {"embed_tokens": bool(getattr(model, "has_own_embed_tokens", True)),
-                    "lm_head": bool(getattr(model, "has_own_lm_head", True))},
+    return {**observed_load_weights(model, req), "class": type(model).__name__,
             "sizes": {"vocab": int(model.config.vocab_size), "draft_vocab": int(model.config.draft_vocab_size),
                       "hidden": int(model.config.hidden_size)}}
