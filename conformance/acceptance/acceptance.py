@@ -96,32 +96,54 @@ def make_requests(trained: TrainedDraft, per_sequence: int = REQUESTS_PER_SEQUEN
 
 
 def draft_and_verify(drafter: Drafter, target: GreedyTarget, prompts: list[torch.Tensor],
-                     aux_ids: tuple[int, ...], K: int):
+                     aux_ids: tuple[int, ...], K: int, memo: dict | None = None):
     """One greedy verify round for each prompt: the target's prefill gives the pending token and the
     draft's rows (stagewise.round_rows), the draft proposes K tokens, the target checks them.
-    -> (contexts x_0..x_p with the pending token, drafts [n, K], accepted drafts [n])."""
-    contexts, batch = round_rows(target, prompts, aux_ids)
+    -> (contexts x_0..x_p with the pending token, drafts [n, K], accepted drafts [n]).
+
+    `memo` (a store's, shared by every implementation it simulates): the target's prefill of these prompts
+    and its check of these drafts, computed once. The target is a function of its input ids alone, so an
+    implementation drafting the reference's tokens gets the very verdict the reference's round got, and one
+    drafting others gets the target run on its own; what the drafter is given is a fresh copy each time.
+    """
+    key = (tuple(tuple(p.tolist()) for p in prompts), aux_ids)
+    if memo is None:
+        contexts, batch = round_rows(target, prompts, aux_ids)
+    else:
+        if key not in memo:
+            memo[key] = round_rows(target, prompts, aux_ids)
+        kept, b = memo[key]
+        contexts = [c.clone() for c in kept]
+        batch = DraftBatch(aux=b.aux.clone(), input_ids=b.input_ids.clone(), positions=b.positions.clone(),
+                           seq_ids=b.seq_ids.clone())
     n = [len(p) for p in prompts]
     drafts = drafter(batch, contexts, K)
+    checked = (key, drafts.numpy().tobytes(), tuple(drafts.shape))
+    if memo is not None and checked in memo:
+        return contexts, drafts, memo[checked].clone()
     argmax, _, _ = target.run(right_padded([torch.cat([c, drafts[j]]) for j, c in enumerate(contexts)]), aux_ids)
     # The target's choice after the pending token (position p) and after each draft.
     choice = torch.stack([argmax[j, m:m + K] for j, m in enumerate(n)])
-    return contexts, drafts, accepted_drafts(drafts, choice)
+    accepted = accepted_drafts(drafts, choice)
+    if memo is not None:
+        memo[checked] = accepted.clone()
+    return contexts, drafts, accepted
 
 
 @one_thread()
 def simulate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, requests: list[Request],
-             K: int = K_MAX, aux_layer_ids: tuple[int, ...] | None = None) -> Simulation:
+             K: int = K_MAX, aux_layer_ids: tuple[int, ...] | None = None, memo: dict | None = None) -> Simulation:
     """One greedy verify round per request (prompt: a held-out prefix of the request's length).
 
-    `aux_layer_ids`: what the serving side captures (default: what the draft was trained on).
+    `aux_layer_ids`: what the serving side captures (default: what the draft was trained on). `memo`: see
+    draft_and_verify.
     """
     aux_ids = aux_layer_ids or trained.config.aux_layer_ids
     ids = trained.heldout_ids
     drafts, accepted = [], []
     for i in range(0, len(requests), CHUNK):
         prompts = [ids[r.seq, :r.prompt_len] for r in requests[i:i + CHUNK]]
-        _, d, a = draft_and_verify(drafter, target, prompts, aux_ids, K)
+        _, d, a = draft_and_verify(drafter, target, prompts, aux_ids, K, memo)
         drafts.append(d)
         accepted.append(a)
     return Simulation(torch.cat(drafts), AcceptStats(torch.cat(accepted)))
@@ -203,6 +225,7 @@ class AcceptanceStore:
         self._prediction: Prediction | None = None
         self._runs: dict[str, Simulation] = {}
         self._faulty: dict[str, FaultRun] = {}
+        self._memo: dict = {}   # the target's side of each round (draft_and_verify)
         self.requests = make_requests(trained)
 
     @property
@@ -220,7 +243,7 @@ class AcceptanceStore:
     def simulated(self, impl: str) -> Simulation:
         if impl not in self._runs:
             drafter = make_drafter(impl, self.trained.checkpoints)
-            self._runs[impl] = simulate(drafter, self.trained, self.target, self.requests)
+            self._runs[impl] = simulate(drafter, self.trained, self.target, self.requests, memo=self._memo)
         return self._runs[impl]
 
     def faulty(self, fault: Fault) -> "FaultRun":
@@ -230,7 +253,7 @@ class AcceptanceStore:
             planted = plant(fault, self.trained, self.root)
             aux_ids = served_aux_ids(self.trained, fault)
             run = simulate(make_drafter(fault.host, planted), self.trained, self.target,
-                           self.requests[:FAULT_REQUESTS], aux_layer_ids=aux_ids)
+                           self.requests[:FAULT_REQUESTS], aux_layer_ids=aux_ids, memo=self._memo)
             clean = self.simulated(fault.host)
             correct = Simulation(clean.drafts[:FAULT_REQUESTS], AcceptStats(clean.stats.accepted[:FAULT_REQUESTS]))
             comparison = first_divergence(self.trained, self.target, fault.host, planted, aux_ids,
