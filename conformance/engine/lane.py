@@ -7,6 +7,7 @@ reference draft's simulation of the same requests.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,18 @@ class GroupRun:
     error: str | None = None                         # the engine did not start or serve: one line
     drafter: str = ""                                # the speculative worker class its scheduler built
     trainer: str | None = None                       # whose draft it served, when not the default trainer's
+    ipc_dir: str = ""                                # where the engine's IPC sockets were made
+    ipc_paths: tuple[str, ...] = ()                  # their files
+    left_behind: tuple[str, ...] = ()                # of those (and the directory), what shutdown left
+
+    def leftovers_failure(self) -> str | None:
+        """SGLang's IPC files must be made in the engine's own directory and gone with it after shutdown
+        (engine.ipc_names_in): otherwise every engine leaves files in the host's temp directory."""
+        outside = [p for p in self.ipc_paths if os.path.dirname(p) != self.ipc_dir]
+        if not (outside or self.left_behind):
+            return None
+        return (f"sglang engine {self.group.id}: IPC files " + (f"made outside {self.ipc_dir}: {outside}" if outside
+                else f"left after shutdown: {list(self.left_behind)}"))
 
 
 class EngineLane:
@@ -86,6 +99,7 @@ class EngineLane:
         self._live = engine
         try:
             run.start_seconds = engine.start_seconds
+            run.ipc_dir, run.ipc_paths = engine.ipc_dir, tuple(engine.ipc_paths())
             run.resolved = engine.resolved()
             for scenario in group.scenarios:
                 start, served = time.perf_counter(), []
@@ -100,6 +114,7 @@ class EngineLane:
         finally:
             engine.shutdown()
             self._live = None
+        run.left_behind = tuple(p for p in (run.ipc_dir, *run.ipc_paths) if p and os.path.lexists(p))
         rounds = served_rounds(ENGINE.read_events(capture), group.topk)
         if group.tp_size > 1:   # each rank's draft computed its own heads: the rounds get them all
             per_rank = [rounds] + [served_rounds(ENGINE.read_events(capture, rank), group.topk)

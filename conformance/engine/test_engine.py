@@ -49,6 +49,13 @@ def test_outputs_are_the_targets_greedy_continuation(group, scenario, lane, repo
     assert not failures, "\n".join(failures) + f"\n  repro: {repro}"
 
 
+@pytest.mark.parametrize("group", [*GROUPS, *MLA_GROUPS], ids=lambda g: g.id)
+def test_an_engine_leaves_no_files_behind(group, lane):
+    """Each engine's IPC files are made in its own directory and removed with it at shutdown."""
+    failure = lane.run(group).leftovers_failure()
+    assert failure is None, failure
+
+
 @pytest.mark.parametrize("group,scenario", SERVED)
 def test_sglang_accept_accounting_equals_reference(group, scenario, lane, report, repro):
     """SGLang's own meta_info (spec_verify_ct, spec_correct_drafts_histogram, spec_accept_length) equals the

@@ -12,7 +12,9 @@ import functools
 import json
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +108,20 @@ def launch_environment(extra: dict[str, str]):
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def ipc_names_in(directory: str):
+    """SGLang names its IPC sockets with tempfile.NamedTemporaryFile(delete=False) in the parent while the
+    engine starts (PortArgs.init_new, server_args.py:781-811) and never removes them: every engine left four
+    or five files in the host's temp directory. With tempfile's directory pointed at the engine's own
+    (short: a socket path has about 107 bytes), shutdown removes them with it."""
+    saved = tempfile.tempdir
+    tempfile.tempdir = directory
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+
+
 @dataclass
 class Served:
     """One request as SGLang served it."""
@@ -146,10 +162,11 @@ class ServedEngine:
         # Engine.__init__ sets process-wide state for its children (environment variables, the spawn start
         # method: entrypoints/engine.py:1878-2000); shutdown() gives this process its own back.
         self._environ, self._start_method = dict(os.environ), multiprocessing.get_start_method(allow_none=True)
+        self.ipc_dir = tempfile.mkdtemp(prefix="e3c-ipc-")
         start = time.perf_counter()
         try:
-            with launch_environment({**self.LAUNCH_ENV, **tp_environment(server_args.get("tp_size", 1)),
-                                     **(env or {})}):
+            with ipc_names_in(self.ipc_dir), launch_environment(
+                    {**self.LAUNCH_ENV, **tp_environment(server_args.get("tp_size", 1)), **(env or {})}):
                 self.engine = shimmed_engine_class()(
                     capture_dir=str(capture_dir), fault_yaml=fault_yaml, scheduler=self.SCHEDULER,
                     model_path=str(target_dir), speculative_draft_model_path=str(draft_dir),
@@ -184,6 +201,12 @@ class ServedEngine:
         info = self.engine.get_server_info()
         return {name: info.get(name) for name in RESOLVED_FIELDS}
 
+    def ipc_paths(self) -> list[str]:
+        """The files behind the engine's IPC sockets (its PortArgs' ipc:// names)."""
+        args = vars(self.engine.port_args)
+        return sorted(v.removeprefix("ipc://") for k, v in args.items()
+                      if k.endswith("_ipc_name") and isinstance(v, str) and v.startswith("ipc://"))
+
     def shims(self) -> dict[str, str]:
         path = self.capture_dir / "shims.json"
         return json.loads(path.read_text()) if path.is_file() else {}
@@ -216,6 +239,7 @@ class ServedEngine:
             self._restore()
 
     def _restore(self) -> None:
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
         os.environ.clear()
         os.environ.update(self._environ)
         multiprocessing.set_start_method(self._start_method, force=True)
