@@ -11,6 +11,7 @@ token for token, and speculators' per-row scores against the reference's simulat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -95,48 +96,62 @@ def make_requests(trained: TrainedDraft, per_sequence: int = REQUESTS_PER_SEQUEN
     return [Request(s, int(p)) for s in range(lengths.shape[0]) for p in lengths[s]]
 
 
-def draft_and_verify(drafter: Drafter, target: GreedyTarget, prompts: list[torch.Tensor],
-                     aux_ids: tuple[int, ...], K: int, memo: dict | None = None):
-    """One greedy verify round for each prompt: the target's prefill gives the pending token and the
-    draft's rows (stagewise.round_rows), the draft proposes K tokens, the target checks them.
-    -> (contexts x_0..x_p with the pending token, drafts [n, K], accepted drafts [n]).
-
-    `memo` (a store's, shared by every implementation it simulates): the target's prefill of these prompts
-    and its check of these drafts, computed once. The target is a function of its input ids alone, so an
-    implementation drafting the reference's tokens gets the very verdict the reference's round got, and one
-    drafting others gets the target run on its own; what the drafter is given is a fresh copy each time.
-    """
-    key = (tuple(tuple(p.tolist()) for p in prompts), aux_ids)
-    if memo is None:
-        contexts, batch = round_rows(target, prompts, aux_ids)
-    else:
-        if key not in memo:
-            memo[key] = round_rows(target, prompts, aux_ids)
-        kept, b = memo[key]
-        contexts = [c.clone() for c in kept]
-        batch = DraftBatch(aux=b.aux.clone(), input_ids=b.input_ids.clone(), positions=b.positions.clone(),
-                           seq_ids=b.seq_ids.clone())
-    n = [len(p) for p in prompts]
-    drafts = drafter(batch, contexts, K)
-    checked = (key, drafts.numpy().tobytes(), tuple(drafts.shape))
-    if memo is not None and checked in memo:
-        return contexts, drafts, memo[checked].clone()
+def verify(target: GreedyTarget, contexts: list[torch.Tensor], drafts: torch.Tensor, aux_ids: tuple[int, ...],
+           K: int) -> torch.Tensor:
+    """The target's check of `drafts` after each context: the accepted drafts per request [n]."""
     argmax, _, _ = target.run(right_padded([torch.cat([c, drafts[j]]) for j, c in enumerate(contexts)]), aux_ids)
     # The target's choice after the pending token (position p) and after each draft.
-    choice = torch.stack([argmax[j, m:m + K] for j, m in enumerate(n)])
-    accepted = accepted_drafts(drafts, choice)
-    if memo is not None:
-        memo[checked] = accepted.clone()
+    choice = torch.stack([argmax[j, len(c) - 1:len(c) - 1 + K] for j, c in enumerate(contexts)])
+    return accepted_drafts(drafts, choice)
+
+
+class TargetMemo:
+    """The target's side of a store's verify rounds, computed once and shared by every implementation the store
+    simulates: its prefill of a chunk's prompts, and its check of drafts it has checked before. The target is a
+    function of its input ids alone, so an implementation drafting the reference's tokens gets the verdict the
+    reference's round got, and one drafting others gets the target run on its own. Callers get fresh copies."""
+
+    def __init__(self, target: GreedyTarget):
+        self.target = target
+        self._rows: dict = {}
+        self._checks: dict = {}
+
+    def rows(self, prompts: list[torch.Tensor], aux_ids: tuple[int, ...]):
+        key = (tuple(tuple(p.tolist()) for p in prompts), aux_ids)
+        if key not in self._rows:
+            self._rows[key] = round_rows(self.target, prompts, aux_ids)
+        contexts, b = self._rows[key]
+        return [c.clone() for c in contexts], DraftBatch(aux=b.aux.clone(), input_ids=b.input_ids.clone(),
+                                                         positions=b.positions.clone(), seq_ids=b.seq_ids.clone())
+
+    def accepted(self, contexts: list[torch.Tensor], drafts: torch.Tensor, aux_ids: tuple[int, ...], K: int):
+        key = (tuple(tuple(c.tolist()) for c in contexts), drafts.numpy().tobytes(), tuple(drafts.shape), aux_ids)
+        if key not in self._checks:
+            self._checks[key] = verify(self.target, contexts, drafts, aux_ids, K)
+        return self._checks[key].clone()
+
+
+def draft_and_verify(drafter: Drafter, target: GreedyTarget, prompts: list[torch.Tensor],
+                     aux_ids: tuple[int, ...], K: int, memo: TargetMemo | None = None):
+    """One greedy verify round for each prompt: the target's prefill gives the pending token and the
+    draft's rows (stagewise.round_rows), the draft proposes K tokens, the target checks them; through
+    `memo` when given (a store's TargetMemo).
+    -> (contexts x_0..x_p with the pending token, drafts [n, K], accepted drafts [n])."""
+    contexts, batch = round_rows(target, prompts, aux_ids) if memo is None else memo.rows(prompts, aux_ids)
+    drafts = drafter(batch, contexts, K)
+    accepted = (verify(target, contexts, drafts, aux_ids, K) if memo is None
+                else memo.accepted(contexts, drafts, aux_ids, K))
     return contexts, drafts, accepted
 
 
 @one_thread()
 def simulate(drafter: Drafter, trained: TrainedDraft, target: GreedyTarget, requests: list[Request],
-             K: int = K_MAX, aux_layer_ids: tuple[int, ...] | None = None, memo: dict | None = None) -> Simulation:
+             K: int = K_MAX, aux_layer_ids: tuple[int, ...] | None = None,
+             memo: TargetMemo | None = None) -> Simulation:
     """One greedy verify round per request (prompt: a held-out prefix of the request's length).
 
     `aux_layer_ids`: what the serving side captures (default: what the draft was trained on). `memo`: see
-    draft_and_verify.
+    TargetMemo.
     """
     aux_ids = aux_layer_ids or trained.config.aux_layer_ids
     ids = trained.heldout_ids
@@ -225,7 +240,6 @@ class AcceptanceStore:
         self._prediction: Prediction | None = None
         self._runs: dict[str, Simulation] = {}
         self._faulty: dict[str, FaultRun] = {}
-        self._memo: dict = {}   # the target's side of each round (draft_and_verify)
         self.requests = make_requests(trained)
 
     @property
@@ -233,6 +247,10 @@ class AcceptanceStore:
         if self._target is None:
             self._target = self.trained.target()
         return self._target
+
+    @cached_property
+    def memo(self) -> TargetMemo:
+        return TargetMemo(self.target)
 
     @property
     def prediction(self) -> Prediction:
@@ -243,7 +261,7 @@ class AcceptanceStore:
     def simulated(self, impl: str) -> Simulation:
         if impl not in self._runs:
             drafter = make_drafter(impl, self.trained.checkpoints)
-            self._runs[impl] = simulate(drafter, self.trained, self.target, self.requests, memo=self._memo)
+            self._runs[impl] = simulate(drafter, self.trained, self.target, self.requests, memo=self.memo)
         return self._runs[impl]
 
     def faulty(self, fault: Fault) -> "FaultRun":
@@ -253,7 +271,7 @@ class AcceptanceStore:
             planted = plant(fault, self.trained, self.root)
             aux_ids = served_aux_ids(self.trained, fault)
             run = simulate(make_drafter(fault.host, planted), self.trained, self.target,
-                           self.requests[:FAULT_REQUESTS], aux_layer_ids=aux_ids, memo=self._memo)
+                           self.requests[:FAULT_REQUESTS], aux_layer_ids=aux_ids, memo=self.memo)
             clean = self.simulated(fault.host)
             correct = Simulation(clean.drafts[:FAULT_REQUESTS], AcceptStats(clean.stats.accepted[:FAULT_REQUESTS]))
             comparison = first_divergence(self.trained, self.target, fault.host, planted, aux_ids,

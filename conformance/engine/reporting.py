@@ -181,16 +181,23 @@ def assert_planted_fault_named(lane, fault, clean: RequestFinding, report, repro
     assert not run.error, run.error
     failures = lane_failures(lane, run, repro)
     (finding,) = scenario_findings(lane, run, next(iter(run.scenarios.values())))
+    report.add_row(Section.ENGINE_FAULTS, planted_fault_row(
+        f"{ENGINE.NAME} engine", fault, fault.summary, finding, failures, finding.served_stats["accept_length"],
+        finding.reference_stats(fault.group.scenarios[0].new_tokens)["accept_length"]))
+    assert_fault_at_its_place(fault, finding, failures, repro, f"the {ENGINE.NAME} engine lane")
+
+
+def planted_fault_row(server: str, fault, how: str, finding, failures: list[str], served_accept: float,
+                      reference_accept: float) -> dict:
+    """The report's row for a planted serving fault: where the lane first diverged against where it was planted."""
     first = None if finding.divergence is None else finding.divergence.first_divergence
-    report.add_row(Section.ENGINE_FAULTS, fault_row({
-        "server": f"{ENGINE.NAME} engine", "fault": fault.id, "how": fault.summary, "lane failures": len(failures),
+    return fault_row({
+        "server": server, "fault": fault.id, "how": how, "lane failures": len(failures),
         "first divergence": "none" if first is None else
         f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`",
         "expected": f"round {fault.round}, step {fault.step} `{fault.stage}`",
         "lossless": finding.lossless_failure() is None,
-        "accept length served/ref": f"{finding.served_stats['accept_length']:.4g}/"
-                                    f"{finding.reference_stats(fault.group.scenarios[0].new_tokens)['accept_length']:.4g}"}))
-    assert_fault_at_its_place(fault, finding, failures, repro, f"the {ENGINE.NAME} engine lane")
+        "accept length served/ref": f"{served_accept:.4g}/{reference_accept:.4g}"})
 
 
 def assert_fault_at_its_place(fault, finding, failures: list[str], repro: str, lane: str) -> None:

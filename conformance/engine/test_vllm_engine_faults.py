@@ -11,7 +11,7 @@ import pytest
 from conformance.adapters import ADAPTERS
 from conformance.core.sections import Section
 from conformance.engine.scenarios import Prompt, Scenario
-from conformance.engine.reporting import assert_fault_at_its_place, fault_row
+from conformance.engine.reporting import assert_fault_at_its_place, planted_fault_row
 from conformance.engine.served_lane import GROUPS, ServedGroup
 
 ENGINE = ADAPTERS["vllm"].engine
@@ -68,16 +68,9 @@ def test_planted_serving_fault_fails_the_lane(fault, unfaulted, vllm_engine, rep
     assert not run.error, run.error
     failures = vllm_engine.failures(run, repro)
     (finding,) = vllm_engine.findings(run, next(iter(run.scenarios.values())))
-    first = None if finding.divergence is None else finding.divergence.first_divergence
     m = finding.request.served.meta.get("spec_decode") or {}
     accepted = finding.reference_accepted
-    report.add_row(Section.ENGINE_FAULTS, fault_row({
-        "server": f"{ENGINE.NAME} engine", "fault": fault.id, "how": f"{fault.summary} ({run.planted})",
-        "lane failures": len(failures),
-        "first divergence": "none" if first is None else
-        f"round {finding.conforming_rounds}, step {first.step} `{first.stage}`",
-        "expected": f"round {fault.round}, step {fault.step} `{fault.stage}`",
-        "lossless": finding.lossless_failure() is None,
-        "accept length served/ref": f"{m.get('mean_acceptance_length', 0):.4g}/"
-                                    f"{1 + sum(accepted) / len(accepted):.4g}"}))
+    report.add_row(Section.ENGINE_FAULTS, planted_fault_row(
+        f"{ENGINE.NAME} engine", fault, f"{fault.summary} ({run.planted})", finding, failures,
+        m.get("mean_acceptance_length", 0), 1 + sum(accepted) / len(accepted)))
     assert_fault_at_its_place(fault, finding, failures, repro, "the vLLM engine lane")
